@@ -1,0 +1,199 @@
+"""The one sequence that builds and loads an op.
+
+try the cache -> take the lock -> try again -> build into a temporary folder -> publish with an
+atomic rename -> load. The compile runs in a child process of its own process group, through
+``torch.utils.cpp_extension.load``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opbuilder import cache, env, loader
+from opbuilder.errors import BuildError, CacheLockTimeout
+
+
+@dataclass
+class BuildSpec:
+    """Everything one build needs; produced by ``OpBuilder`` and not changed afterwards."""
+
+    op: str
+    key: str
+    name: str  # extension module name, unique per key
+    namespace: str  # torch.ops namespace (TORCH_LIBRARY builds)
+    python_module: bool
+    sources: list[str]
+    include_paths: list[str]
+    cxx_args: list[str]
+    nvcc_args: list[str]
+    ldflags: list[str]
+    with_cuda: bool
+    archs: list[str]
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+def _say(message: str) -> None:
+    print(f"opbuilder: {message}", file=sys.stderr, flush=True)
+
+
+def load_cached(spec: BuildSpec) -> Any | None:
+    """The loaded op when a good build of this key is in the cache, else None. Never builds, never locks.
+
+    A build whose file is damaged or does not load is left for ``build_and_load`` to replace.
+    """
+    handle = loader.loaded(spec.op, spec.key)
+    if handle is not None:
+        return handle
+    artifact, manifest, _why = cache.check_build(cache.Slot(spec.op, spec.key).path)
+    if artifact is None or manifest is None:
+        return None
+    try:
+        return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+    except (OSError, ImportError):
+        return None
+
+
+def build_and_load(spec: BuildSpec) -> Any:
+    """Return the loaded op, building it first when the cache has no good build of its key.
+
+    Raises CacheError when the cache folder is unusable, CacheLockTimeout when another process holds
+    the key's lock past OPB_LOCK_TIMEOUT, BuildError when the compile fails (here or in the process
+    we waited for).
+    """
+    handle = load_cached(spec)
+    if handle is not None:
+        return handle
+    from filelock import FileLock, Timeout
+
+    slot = cache.Slot(spec.op, spec.key)
+    cache.ensure_dir(slot.op_dir)
+    lock = FileLock(str(slot.lock_path), timeout=env.lock_timeout())
+    waited_since = time.time()
+    try:
+        try:
+            lock.acquire(timeout=0)
+            waited = False
+        except Timeout:
+            _say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
+            lock.acquire()
+            waited = True
+    except Timeout:
+        raise CacheLockTimeout(
+            f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for the build lock {slot.lock_path} "
+            f"of op {spec.op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
+        ) from None
+    try:
+        handle = load_cached(spec)
+        if handle is not None:
+            return handle
+        failure = cache.read_failure(slot)
+        if waited and failure is not None and float(failure.get("time", 0)) >= waited_since:
+            raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
+        artifact_dir = _build(spec, slot)
+        artifact, manifest, why = cache.check_build(artifact_dir)
+        if artifact is None or manifest is None:
+            raise BuildError(f"opbuilder: the build of {spec.op} published an unusable artifact: {why}")
+        return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+    finally:
+        lock.release()
+
+
+def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
+    cache.remove_stray_tmp_dirs(slot)
+    tmp_dir = slot.new_tmp_dir()
+    try:
+        targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
+        _say(f"building {spec.op} ({targets}) on first use into {slot.path}")
+        started = time.time()
+        ok, log_text = _run_worker(spec, tmp_dir)
+        seconds = time.time() - started
+        if not ok:
+            message = _failure_message(spec, log_text)
+            log_path = cache.record_failure(slot, message, log_text)
+            raise BuildError(f"{message}\nfull log: {log_path}")
+        artifact = tmp_dir / f"{spec.name}.so"
+        if not artifact.is_file():
+            raise BuildError(f"opbuilder: the build of {spec.op} finished without producing {artifact.name}")
+        for leftover in list(tmp_dir.glob("*.o")) + list(tmp_dir.glob("*.spec.json")):
+            leftover.unlink()
+        manifest = {
+            "op": spec.op,
+            "key": spec.key,
+            "python_module": spec.python_module,
+            "module_name": spec.name,
+            "namespace": spec.namespace,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "build_seconds": round(seconds, 2),
+            "build_id": uuid.uuid4().hex,
+            "log": cache.LOG,
+            "inputs": spec.inputs,
+            **cache.describe_artifact(artifact),
+        }
+        published = cache.publish(slot, tmp_dir, manifest)
+        _say(f"built {spec.op} in {seconds:.1f} s")
+        return published
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _run_worker(spec: BuildSpec, tmp_dir: Path) -> tuple[bool, str]:
+    spec_path = tmp_dir / f"{spec.name}.spec.json"
+    payload = {**asdict(spec), "build_dir": str(tmp_dir), "parent_pid": os.getpid()}
+    spec_path.write_text(json.dumps(payload))
+    extra = {} if env.max_jobs() is None else {"MAX_JOBS": str(env.max_jobs())}
+    log_path = tmp_dir / cache.LOG
+    show = env.verbose()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "opbuilder._worker", str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env.subprocess_env(extra),
+            text=True,
+            errors="replace",
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                if show:
+                    sys.stderr.write(line)
+            code = proc.wait()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    return code == 0, log_path.read_text(errors="replace")
+
+
+_ERROR_LINE = re.compile(r"(error|Error:|undefined reference|FAILED:)")
+
+
+def _failure_message(spec: BuildSpec, log_text: str) -> str:
+    lines = log_text.splitlines()
+    errors = [ln for ln in lines if _ERROR_LINE.search(ln) and "error_" not in ln][:6]
+    command = ""
+    for i, ln in enumerate(lines):
+        if ln.startswith("FAILED:") and i + 1 < len(lines):
+            command = lines[i + 1].strip()
+            break
+    first = "\n  ".join(errors) if errors else "\n  ".join(lines[-8:])
+    text = f"opbuilder: building op {spec.op!r} failed:\n  {first}"
+    if command:
+        text += f"\nto reproduce, run the failed command:\n  {command}"
+    return text

@@ -1,0 +1,242 @@
+"""``OpBuilder``: an op declares its sources and flags; this base class does the rest.
+
+A subclass declares (``NAME``, ``sources()``, maybe ``include_paths()``, ``cxx_args()``,
+``nvcc_args()``); ``load()`` compiles on first use into the content-addressed cache and loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from opbuilder import build, env, fingerprint, toolchain
+from opbuilder.errors import IncompatibleOpError
+
+log = logging.getLogger("opbuilder")
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+#: Public headers for every op: ``#include <opbuilder/library.h>``.
+INCLUDE_DIR = PACKAGE_DIR / "include"
+#: Sources of the built-in ops: inside the package when installed as a wheel, beside it in a checkout.
+KERNELS_DIR = next((p for p in (PACKAGE_DIR / "kernels", PACKAGE_DIR.parent / "kernels") if p.is_dir()), PACKAGE_DIR / "kernels")
+
+CUDA_SUFFIXES = (".cu",)
+
+
+class OpBuilder:
+    """Base class of every op builder (built-in or the user's own).
+
+    Paths returned by ``sources()`` and ``include_paths()`` are relative to ``source_root()``: the
+    folder of the module that defines the builder, unless the builder overrides it.
+    """
+
+    NAME: str = ""
+    BUILD_VAR: str | None = None
+    #: Bump to force a rebuild when something outside the hashed files changes the binary.
+    VERSION: str = "1"
+    #: True for a ``PYBIND11_MODULE`` binding, False for ``TORCH_LIBRARY``; None: detect from the sources.
+    PYTHON_MODULE: bool | None = None
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.NAME
+        if not self.name:
+            raise ValueError(f"{type(self).__name__}: set NAME (the op's name) or pass name=")
+        if self.BUILD_VAR is None:
+            self.BUILD_VAR = f"OPB_BUILD_{self.name.upper()}"
+
+    # ---- what a subclass declares ------------------------------------------------------------
+
+    def sources(self) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} must define sources()")
+
+    def include_paths(self) -> list[str]:
+        return []
+
+    def cxx_args(self) -> list[str]:
+        args = ["-O3", "-std=c++17"]
+        arch = env.cpu_arch()
+        return args + ([f"-march={arch}"] if arch else [])
+
+    def nvcc_args(self) -> list[str]:
+        return ["-O3", "-std=c++17", "--expt-relaxed-constexpr"] + toolchain.gencode_flags(self.cuda_archs())
+
+    def extra_ldflags(self) -> list[str]:
+        return []
+
+    def source_root(self) -> Path:
+        module = sys.modules.get(type(self).__module__)
+        module_file = getattr(module, "__file__", None)
+        return Path(module_file).resolve().parent if module_file else Path.cwd()
+
+    def absolute_name(self) -> str:
+        """The importable name DeepSpeed builders report; here, the op's registered namespace."""
+        return self.namespace
+
+    # ---- what the base class works out -------------------------------------------------------
+
+    def cuda_archs(self) -> list[str]:
+        return toolchain.cuda_archs()
+
+    def _resolve(self, paths: list[str]) -> list[Path]:
+        root = self.source_root()
+        return [(root / p).resolve() for p in paths]
+
+    def all_sources(self) -> list[Path]:
+        return self._resolve(self.sources())
+
+    def cuda_skip_reason(self) -> str | None:
+        """Why the CUDA sources will not be built here, or None when they will be."""
+        if not any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
+            return "the op has no CUDA sources"
+        if toolchain.torch_cuda_version() is None:
+            return "torch was built without CUDA"
+        if toolchain.nvcc_path() is None:
+            return "nvcc not found (set CUDA_HOME)"
+        if not self.cuda_archs():
+            return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
+        return None
+
+    def with_cuda(self) -> bool:
+        return self.cuda_skip_reason() is None
+
+    def incompatibility_reasons(self) -> list[str]:
+        """Why this op cannot be built here at all (empty when it can)."""
+        reasons = []
+        missing = [str(p) for p in self.all_sources() if not p.is_file()]
+        if missing:
+            reasons.append(f"source files not found: {', '.join(missing)}")
+        if toolchain.cxx_path() is None:
+            reasons.append(f"C++ compiler {env.cxx_compiler()!r} not found on PATH (set CXX)")
+        if not any(p.suffix not in CUDA_SUFFIXES for p in self.all_sources()) and not self.with_cuda():
+            reasons.append(f"the op has only CUDA sources and {self.cuda_skip_reason()}")
+        return reasons
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        reasons = self.incompatibility_reasons()
+        if verbose:
+            for reason in reasons:
+                log.warning("%s is not compatible: %s", self.name, reason)
+            if not reasons and not self.with_cuda():
+                log.warning("%s: building the CPU part only: %s", self.name, self.cuda_skip_reason())
+        return not reasons
+
+    def _composed(self, base: list[str], declared: list[str]) -> list[str]:
+        """The base flags followed by the subclass's own; ``super().x() + [...]`` is not doubled."""
+        extra = declared[len(base):] if declared[: len(base)] == base else declared
+        return base + extra
+
+    def final_cxx_args(self) -> list[str]:
+        args = self._composed(OpBuilder.cxx_args(self), self.cxx_args())
+        return args + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
+
+    def final_nvcc_args(self) -> list[str]:
+        return self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
+
+    def is_python_module(self) -> bool:
+        if self.PYTHON_MODULE is not None:
+            return self.PYTHON_MODULE
+        return any(p.is_file() and b"PYBIND11_MODULE" in p.read_bytes() for p in self.all_sources())
+
+    def _include_dirs(self) -> list[Path]:
+        return self._resolve(self.include_paths()) + [INCLUDE_DIR]
+
+    def key_inputs(self) -> dict[str, Any]:
+        """Everything the cache key hashes, as a JSON-able dict (kept in the manifest too).
+
+        Worked out once per builder object; a new object sees edited files.
+        """
+        return self._key_inputs
+
+    @cached_property
+    def _key_inputs(self) -> dict[str, Any]:
+        import sysconfig
+
+        import torch
+
+        with_cuda = self.with_cuda()
+        sources = [p for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
+        include_dirs = self._include_dirs()
+        files = fingerprint.project_files(sources, include_dirs)
+        cxx = toolchain.cxx_path()
+        nvcc = toolchain.nvcc_path() if with_cuda else None
+        return {
+            "op": self.name,
+            "builder_version": self.VERSION,
+            "files": fingerprint.digest_files(files, [self.source_root(), INCLUDE_DIR]),
+            "cxx_args": self.final_cxx_args(),
+            "nvcc_args": self.final_nvcc_args() if with_cuda else [],
+            "ldflags": self.extra_ldflags(),
+            "python_module": self.is_python_module(),
+            "torch": torch.__version__,
+            "torch_git": torch.version.git_version,
+            "torch_cuda": torch.version.cuda,
+            "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+            "python": sys.implementation.cache_tag,
+            "soabi": sysconfig.get_config_var("SOABI"),
+            "cxx": toolchain.compiler_identity(cxx) if cxx else None,
+            "nvcc": toolchain.compiler_identity(nvcc) if nvcc else None,
+            "cuda_archs": self.cuda_archs() if with_cuda else [],
+            "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in self.final_cxx_args()) else None,
+        }
+
+    @cached_property
+    def key(self) -> str:
+        return fingerprint.cache_key(self.key_inputs())
+
+    @property
+    def namespace(self) -> str:
+        return f"opb_{self.name}_{self.key[:12]}"
+
+    def build_spec(self) -> build.BuildSpec:
+        inputs = self.key_inputs()
+        with_cuda = bool(inputs["nvcc_args"])
+        ns_flag = f"-DOPB_NAMESPACE={self.namespace}"
+        return build.BuildSpec(
+            op=self.name,
+            key=self.key,
+            name=f"{self.name}_{self.key[:12]}",
+            namespace=self.namespace,
+            python_module=self.is_python_module(),
+            sources=[str(p) for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES],
+            include_paths=[str(p) for p in self._include_dirs()],
+            cxx_args=self.final_cxx_args() + [ns_flag],
+            nvcc_args=(self.final_nvcc_args() + [ns_flag]) if with_cuda else [],
+            ldflags=self.extra_ldflags(),
+            with_cuda=with_cuda,
+            archs=self.cuda_archs() if with_cuda else [],
+            inputs=inputs,
+        )
+
+    def load(self, verbose: bool = False) -> Any:
+        """The op, compiled on first use: a ``torch.ops`` namespace for ``TORCH_LIBRARY`` builds,
+        the extension module for ``PYBIND11_MODULE`` builds.
+
+        Raises IncompatibleOpError, BuildError, CacheLockTimeout or CacheError, each saying why.
+        """
+        reasons = self.incompatibility_reasons()
+        if reasons:
+            raise IncompatibleOpError(f"op {self.name!r} cannot be built here: " + "; ".join(reasons))
+        if verbose:
+            self.is_compatible(verbose=True)
+        return build.build_and_load(self.build_spec())
+
+    def builder(self) -> Any:
+        """A setuptools extension that compiles this op at install time."""
+        from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+        with_cuda = self.with_cuda()
+        sources = [str(p) for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
+        ns_flag = f"-DOPB_NAMESPACE={self.namespace}"
+        kwargs: dict[str, Any] = {
+            "name": f"opbuilder._prebuilt.{self.name}_{self.key[:12]}",
+            "sources": sources,
+            "include_dirs": [str(p) for p in self._include_dirs()],
+            "extra_link_args": self.extra_ldflags(),
+        }
+        cxx = [a for a in self.final_cxx_args() if not a.startswith("-march=")] + [ns_flag]
+        if with_cuda:
+            return CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": self.final_nvcc_args() + [ns_flag]})
+        return CppExtension(**kwargs, extra_compile_args={"cxx": cxx})

@@ -1,0 +1,1 @@
+"""Builders of the built-in ops: a few declarative lines each."""

@@ -1,0 +1,109 @@
+"""Every environment variable opbuilder reads, in one place.
+
+Values are read at call time, never cached at import, so a test or a launcher can change them
+between calls. Nothing here writes to ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Variables opbuilder reads, with what they do; the README's table is generated from the same facts.
+VARIABLES: dict[str, str] = {
+    "OPB_CACHE_DIR": "Root of the JIT cache (default: $XDG_CACHE_HOME/opbuilder, else ~/.cache/opbuilder).",
+    "OPB_LOCK_TIMEOUT": "Seconds to wait for another process's build of the same op before failing (default 600).",
+    "OPB_VERBOSE": "1 shows the compiler's output while building.",
+    "OPB_MAX_JOBS": "Parallel compile jobs inside one build (default: all cores).",
+    "OPB_CPU_ARCH": "Value for -march on CPU code (default 'native' for JIT builds; 'none' omits it).",
+    "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
+    "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
+    "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
+    "CUDA_HOME": "CUDA toolkit root (else CUDA_PATH, else the folder of nvcc on PATH, else /usr/local/cuda).",
+    "CXX": "Host C++ compiler (default c++), as torch.utils.cpp_extension uses it.",
+}
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _flag(name: str) -> bool:
+    value = _get(name)
+    return value is not None and value.lower() not in ("0", "false", "no", "off")
+
+
+def cache_root() -> Path:
+    explicit = _get("OPB_CACHE_DIR")
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    xdg = _get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
+    return base / "opbuilder"
+
+
+def lock_timeout() -> float:
+    raw = _get("OPB_LOCK_TIMEOUT")
+    if raw is None:
+        return 600.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"OPB_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"OPB_LOCK_TIMEOUT must be >= 0 seconds, got {raw!r}")
+    return value
+
+
+def verbose() -> bool:
+    return _flag("OPB_VERBOSE")
+
+
+def max_jobs() -> int | None:
+    raw = _get("OPB_MAX_JOBS")
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"OPB_MAX_JOBS must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def cpu_arch() -> str | None:
+    raw = _get("OPB_CPU_ARCH") or "native"
+    return None if raw.lower() == "none" else raw
+
+
+def cuda_arch_list() -> str | None:
+    return _get("TORCH_CUDA_ARCH_LIST")
+
+
+def cxx_compiler() -> str:
+    return _get("CXX") or "c++"
+
+
+def cuda_home_hint() -> str | None:
+    return _get("CUDA_HOME") or _get("CUDA_PATH")
+
+
+def path_dirs() -> list[str]:
+    return (os.environ.get("PATH") or "").split(os.pathsep)
+
+
+def build_all_ops() -> bool:
+    return _flag("OPB_BUILD_OPS")
+
+
+def build_var(name: str) -> bool | None:
+    """The value of one op's ``OPB_BUILD_<OP>``: True, False, or None when unset."""
+    raw = _get(name)
+    if raw is None:
+        return None
+    return _flag(name)
+
+
+def subprocess_env(extra: dict[str, str]) -> dict[str, str]:
+    """A copy of the environment for a build subprocess; ``os.environ`` itself is left alone."""
+    env = dict(os.environ)
+    env.update(extra)
+    return env

@@ -1,0 +1,30 @@
+"""Exceptions opbuilder raises; each message says what happened and what to do next."""
+
+from __future__ import annotations
+
+
+class OpBuilderError(RuntimeError):
+    """Base class of every opbuilder error."""
+
+
+class BuildError(OpBuilderError):
+    """Compiling an op failed. The message carries the compiler's first error lines and the log's path."""
+
+
+class CacheLockTimeout(OpBuilderError):
+    """Another process held the op's build lock longer than OPB_LOCK_TIMEOUT."""
+
+
+class CacheError(OpBuilderError):
+    """The cache folder cannot be used (not writable, not ours, full)."""
+
+
+class UnknownOpError(KeyError):
+    """No built-in op has that name; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; show the sentence instead
+        return str(self.args[0])
+
+
+class IncompatibleOpError(OpBuilderError):
+    """The op cannot be built in this environment; the message lists why."""

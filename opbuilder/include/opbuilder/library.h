@@ -1,0 +1,19 @@
+// Registering ops under the namespace opbuilder gives each build.
+//
+// The builder passes -DOPB_NAMESPACE=opb_<op>_<key>, so two versions of one op can be loaded in one
+// process. TORCH_LIBRARY stringifies its argument, hence the extra expansion step.
+#pragma once
+
+#include <torch/library.h>
+
+#ifndef OPB_NAMESPACE
+#error "OPB_NAMESPACE is not defined: build this file through an opbuilder OpBuilder"
+#endif
+
+#define OPB_LIBRARY_EXPAND_(ns, m) TORCH_LIBRARY(ns, m)
+#define OPB_LIBRARY_IMPL_EXPAND_(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+// OPB_LIBRARY(m) { m.def("relu(Tensor x) -> Tensor"); }
+#define OPB_LIBRARY(m) OPB_LIBRARY_EXPAND_(OPB_NAMESPACE, m)
+// OPB_LIBRARY_IMPL(CPU, m) { m.impl("relu", &relu_cpu); }
+#define OPB_LIBRARY_IMPL(k, m) OPB_LIBRARY_IMPL_EXPAND_(OPB_NAMESPACE, k, m)

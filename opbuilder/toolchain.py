@@ -1,0 +1,152 @@
+"""What the compilers and the GPU targets are: facts that go into the cache key.
+
+Everything here is cheap on a warm start: compiler versions are memoised per binary (path, size,
+mtime) in the cache root, so a warm load never runs a compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from opbuilder import env
+
+
+def which(program: str) -> str | None:
+    found = shutil.which(program, path=os.pathsep.join(env.path_dirs()))
+    return os.path.realpath(found) if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_home_cached(hint: str | None, nvcc_on_path: str | None) -> str | None:
+    if hint:
+        return hint
+    if nvcc_on_path:
+        return str(Path(nvcc_on_path).parent.parent)
+    return "/usr/local/cuda" if os.path.isdir("/usr/local/cuda") else None
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit root, found the way torch.utils.cpp_extension finds it."""
+    return _cuda_home_cached(env.cuda_home_hint(), which("nvcc"))
+
+
+def nvcc_path() -> str | None:
+    home = cuda_home()
+    if home is None:
+        return None
+    candidate = Path(home) / "bin" / "nvcc"
+    return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
+
+
+def torch_cuda_version() -> str | None:
+    import torch
+
+    return torch.version.cuda
+
+
+def _version_memo_path() -> Path:
+    return env.cache_root() / "compilers.json"
+
+
+def compiler_identity(path: str) -> dict[str, object]:
+    """Path, size, mtime and first ``--version`` line of a compiler binary.
+
+    The version is asked once per binary and remembered in the cache root; later calls only stat.
+    """
+    st = os.stat(path)
+    ident = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    memo_path = _version_memo_path()
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    version = memo.get(ident) if isinstance(memo, dict) else None
+    if not isinstance(version, str):
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+            lines = [ln for ln in (out.stdout or out.stderr).splitlines() if ln.strip()]
+            version = lines[-1] if "nvcc" in os.path.basename(path) and lines else (lines[0] if lines else "unknown")
+        except (OSError, subprocess.SubprocessError):
+            version = "unknown"
+        memo = memo if isinstance(memo, dict) else {}
+        memo[ident] = version
+        _write_memo(memo_path, memo)
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": version}
+
+
+def _write_memo(memo_path: Path, memo: dict) -> None:
+    from opbuilder import cache  # the cache module owns how files are written under the root
+
+    try:
+        cache.write_text_atomic(memo_path, json.dumps(memo, indent=1, sort_keys=True))
+    except OSError:
+        pass  # a memo is an optimisation; a read-only cache is reported where it matters
+
+
+def cxx_path() -> str | None:
+    return which(env.cxx_compiler())
+
+
+def parse_arch_list(spec: str) -> list[str]:
+    """'8.0;9.0+PTX' or '8.0 9.0a' -> ['8.0', '9.0+PTX'] (named arches such as 'Hopper' are refused)."""
+    archs = []
+    for item in spec.replace(",", ";").replace(" ", ";").split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        base = item.removesuffix("+PTX")
+        major, _, minor = base.partition(".")
+        if not (major.isdigit() and minor and (minor.isdigit() or minor[:-1].isdigit())):
+            raise ValueError(
+                f"TORCH_CUDA_ARCH_LIST: expected entries like '9.0' or '8.6+PTX', got {item!r} in {spec!r}"
+            )
+        archs.append(item)
+    return sorted(set(archs))
+
+
+@functools.lru_cache(maxsize=None)
+def _visible_gpu_archs() -> tuple[str, ...]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    return tuple(sorted(f"{major}.{minor}" for major, minor in caps))
+
+
+def cuda_archs() -> list[str]:
+    """Target archs: TORCH_CUDA_ARCH_LIST, else the visible GPUs (this initialises CUDA)."""
+    spec = env.cuda_arch_list()
+    if spec is not None:
+        return parse_arch_list(spec)
+    return list(_visible_gpu_archs())
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    flags = []
+    for arch in archs:
+        ptx = arch.endswith("+PTX")
+        num = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_isa() -> str:
+    """The host's ISA flags, which decide what -march=native produces."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.partition(":")[2].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
