@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def check_tensor(op: str, arg: str, value: object) -> torch.Tensor:
@@ -17,7 +17,7 @@ def check_tensor(op: str, arg: str, value: object) -> torch.Tensor:
 def check_float(op: str, arg: str, value: object) -> torch.Tensor:
     tensor = check_tensor(op, arg, value)
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: {arg} must be float32, float16 or bfloat16, got {tensor.dtype}")
+        raise TypeError(f"{op}: {arg} must be float32, float16, bfloat16 or float64, got {tensor.dtype}")
     return tensor
 
 

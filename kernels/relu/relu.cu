@@ -39,6 +39,8 @@ cudaError_t launch(const void* x, void* y, int64_t n, DType dtype, cudaStream_t 
       return launch_typed(static_cast<const __half*>(x), static_cast<__half*>(y), n, stream);
     case DType::BFloat16:
       return launch_typed(static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, stream);
+    case DType::Float64:
+      return launch_typed(static_cast<const double*>(x), static_cast<double*>(y), n, stream);
   }
   return cudaErrorInvalidValue;
 }

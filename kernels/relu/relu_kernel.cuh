@@ -8,6 +8,7 @@
 namespace opb::relu {
 
 __device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ double to_float(double v) { return v; }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
@@ -16,6 +17,8 @@ __device__ __forceinline__ T zero();
 template <>
 __device__ __forceinline__ float zero<float>() { return 0.f; }
 template <>
+__device__ __forceinline__ double zero<double>() { return 0.0; }
+template <>
 __device__ __forceinline__ __half zero<__half>() { return __float2half(0.f); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 zero<__nv_bfloat16>() { return __float2bfloat16(0.f); }
@@ -23,7 +26,7 @@ __device__ __forceinline__ __nv_bfloat16 zero<__nv_bfloat16>() { return __float2
 template <typename T>
 __device__ __forceinline__ T relu1(T v) {
   // `v < 0` is false for NaN, so NaN passes through as torch.relu does.
-  return to_float(v) < 0.f ? zero<T>() : v;
+  return to_float(v) < 0 ? zero<T>() : v;
 }
 
 // 16-byte vectors: each thread loads UNROLL of them before storing any, to keep loads in flight.

@@ -21,8 +21,9 @@ inline DType dtype_of(const at::Tensor& t, const char* op, const char* arg) {
     case at::kFloat: return DType::Float32;
     case at::kHalf: return DType::Float16;
     case at::kBFloat16: return DType::BFloat16;
+    case at::kDouble: return DType::Float64;
     default:
-      TORCH_CHECK(false, op, ": ", arg, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+      TORCH_CHECK(false, op, ": ", arg, " must be float32, float16, bfloat16 or float64, got ", t.scalar_type());
   }
 }
 

@@ -4,6 +4,6 @@
 
 namespace opb {
 
-enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Float64 = 3 };
 
 }  // namespace opb
