@@ -26,7 +26,9 @@ def which(program: str) -> str | None:
 def _cuda_home_cached(hint: str | None, nvcc_on_path: str | None) -> str | None:
     if hint:
         return hint
-    if nvcc_on_path:
+    # nvcc on PATH may be a wrapper script outside the toolkit: accept its grandparent only when
+    # it looks like a toolkit.
+    if nvcc_on_path and (Path(nvcc_on_path).parent.parent / "include" / "cuda_runtime.h").is_file():
         return str(Path(nvcc_on_path).parent.parent)
     return "/usr/local/cuda" if os.path.isdir("/usr/local/cuda") else None
 
