@@ -69,7 +69,9 @@ class OpBuilder:
     def source_root(self) -> Path:
         module = sys.modules.get(type(self).__module__)
         module_file = getattr(module, "__file__", None)
-        return Path(module_file).resolve().parent if module_file else Path.cwd()
+        if module_file is None:  # a module executed without being registered in sys.modules
+            module_file = type(self).sources.__code__.co_filename
+        return Path(module_file).resolve().parent
 
     def absolute_name(self) -> str:
         """The importable name DeepSpeed builders report; here, the op's registered namespace."""

@@ -1,0 +1,199 @@
+"""The JIT cache: warm loads do not rebuild, the key follows the content, concurrent and killed
+builds are safe, damaged artifacts are rebuilt, and failures carry the compiler's words."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_python
+from userop import load_snippet, write_user_op
+
+
+def _manifest(cache_root: Path, op: str = "add_scale") -> tuple[Path, dict]:
+    dirs = [p for p in (cache_root / op).iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(dirs) == 1, f"expected one build of {op}, found {dirs}"
+    return dirs[0], json.loads((dirs[0] / "manifest.json").read_text())
+
+
+def _load(root: Path, **env: str) -> subprocess.CompletedProcess:
+    return run_python(load_snippet(root), env=env)
+
+
+def _builds(result: subprocess.CompletedProcess) -> int:
+    return result.stderr.count("opbuilder: building ")
+
+
+def test_warm_load_does_not_rebuild(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    first = _load(op)
+    assert first.returncode == 0, first.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in first.stdout
+    assert _builds(first) == 1
+    build_dir, manifest = _manifest(fresh_cache)
+    so_mtime = (build_dir / manifest["artifact"]).stat().st_mtime_ns
+
+    second = _load(op)
+    assert second.returncode == 0, second.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in second.stdout
+    assert second.stderr == "", "a cache hit must print nothing"
+    _, again = _manifest(fresh_cache)
+    assert again["build_id"] == manifest["build_id"]
+    assert (build_dir / manifest["artifact"]).stat().st_mtime_ns == so_mtime
+
+
+def test_warm_load_uses_no_compiler_no_lock(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    assert _load(op).returncode == 0
+    probe = load_snippet(op) + (
+        "\nimport sys\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules, 'warm load imported cpp_extension'\n"
+        "assert 'filelock' not in sys.modules or not any(\n"
+        "    'opbuilder' in repr(getattr(m, '__file__', '')) for m in [])\n"
+    )
+    # Make taking any file lock fail loudly in the warm process.
+    probe = "import filelock\nfilelock.FileLock.acquire = lambda *a, **k: (_ for _ in ()).throw(RuntimeError('lock taken'))\n" + probe
+    result = run_python(probe)
+    assert result.returncode == 0, result.stderr
+
+
+def test_key_follows_sources_headers_and_flags(tmp_path: Path) -> None:
+    sys.path.insert(0, str(write_user_op(tmp_path / "proj")))
+    try:
+        from my_ops import AddScaleBuilder
+
+        base = AddScaleBuilder().key
+        (tmp_path / "proj/csrc/scale.h").write_text("#pragma once\nconstexpr float kScale = 3.0;\n")
+        header_changed = AddScaleBuilder().key
+        write_user_op(tmp_path / "proj", offset=2.0)
+        source_changed = AddScaleBuilder().key
+
+        class WithFlag(AddScaleBuilder):
+            def cxx_args(self) -> list[str]:
+                return super().cxx_args() + ["-DEXTRA=1"]
+
+        flag_changed = WithFlag().key
+        write_user_op(tmp_path / "proj")
+        assert AddScaleBuilder().key == base, "reverting the files must give back the same key"
+        assert len({base, header_changed, source_changed, flag_changed}) == 4
+    finally:
+        sys.path.remove(str(tmp_path / "proj"))
+        sys.modules.pop("my_ops", None)
+
+
+def test_header_edit_rebuilds_and_revert_reuses(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj", scale=2.0)
+    assert _builds(_load(op)) == 1
+    write_user_op(op, scale=3.0)
+    edited = _load(op)
+    assert _builds(edited) == 1 and "RESULT [1.0, 4.0, 7.0, 10.0, 13.0]" in edited.stdout
+    write_user_op(op, scale=2.0)
+    reverted = _load(op)
+    assert reverted.returncode == 0, reverted.stderr
+    assert _builds(reverted) == 0, "the old build must be reused"
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in reverted.stdout
+
+
+def test_two_processes_build_once(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    env = dict(os.environ)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=ROOT)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all("RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in out for out, _ in outs)
+    assert sum(err.count("opbuilder: building ") for _, err in outs) == 1
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _build_processes(source_dir: Path, cache_dir: Path) -> list[str]:
+    """Processes compiling ``source_dir`` or running inside ``cache_dir`` (ninja, compilers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if args and (str(source_dir) in args and "-c" in args.split() or cwd.startswith(str(cache_dir))):
+            if "pytest" not in args:
+                found.append(f"{proc.name}: {args[:200]}")
+    return found
+
+
+def test_killed_build_leaves_no_poison(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    proc = subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    op_dir = fresh_cache / "add_scale"
+    # Wait until the compiler is running on a temporary build folder, then kill the loader.
+    assert _wait_for(lambda: bool(_build_processes(op / "csrc", op_dir)), 120), "the build never started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # The builder dies with its loader (parent-death signal) and ends its process group at once.
+    assert _wait_for(lambda: not _build_processes(op / "csrc", op_dir), 3), _build_processes(op / "csrc", op_dir)
+    # A zero lock timeout proves the next load does not wait for the dead builder's lock.
+    result = _load(op, OPB_LOCK_TIMEOUT="0")
+    assert result.returncode == 0, result.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout
+    assert not list(op_dir.glob(".tmp-*")), "the stray temporary folder must be removed"
+
+
+def test_truncated_artifact_is_rebuilt(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    assert _load(op).returncode == 0
+    build_dir, manifest = _manifest(fresh_cache)
+    artifact = build_dir / manifest["artifact"]
+    artifact.write_bytes(artifact.read_bytes()[:1000])
+    result = _load(op)
+    assert result.returncode == 0, result.stderr
+    assert _builds(result) == 1
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout
+
+
+def test_garbage_artifact_of_the_same_size_is_rebuilt(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    assert _load(op).returncode == 0
+    build_dir, manifest = _manifest(fresh_cache)
+    artifact = build_dir / manifest["artifact"]
+    artifact.write_bytes(b"\0" * manifest["artifact_size"])
+    result = _load(op)
+    assert result.returncode == 0, result.stderr
+    assert _builds(result) == 1
+
+
+def test_failed_build_reports_compiler_error_here_and_in_waiter(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj", broken=True)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode != 0
+        assert "BuildError" in err, err
+        assert "add_scale.cpp" in err and "error:" in err, err
+        assert "ImportError" not in err and "cannot open shared object" not in err
+    # Nothing that looks like a build is left in the cache.
+    assert not [p for p in (fresh_cache / "add_scale").iterdir() if p.is_dir()]
