@@ -1,0 +1,20 @@
+"""The README stays true: its variable table matches opbuilder.env, its commands exist."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import ROOT
+from opbuilder import env
+
+
+def test_every_variable_is_in_the_readme_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = set(re.findall(r"^\| `([A-Z_<>]+)` \|", readme, flags=re.MULTILINE))
+    assert table == set(env.VARIABLES), f"README table vs env.VARIABLES differ: {table ^ set(env.VARIABLES)}"
+
+
+def test_the_two_commands_are_the_ones_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "./run demo" in readme and "./run test" in readme
+    assert "./run test" in (ROOT / ".ci" / "run").read_text()
