@@ -8,6 +8,7 @@ atomic rename -> load. The compile runs in a child process of its own process gr
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from opbuilder import cache, env, loader
-from opbuilder.errors import BuildError, CacheLockTimeout
+from opbuilder.errors import BuildError, CacheError, CacheLockTimeout
 
 
 @dataclass
@@ -48,37 +49,57 @@ def _say(message: str) -> None:
     print(f"opbuilder: {message}", file=sys.stderr, flush=True)
 
 
-def load_cached(spec: BuildSpec) -> Any | None:
-    """The loaded op when a good build of this key is in the cache, else None. Never builds, never locks.
+def load_cached(spec: BuildSpec) -> tuple[Any | None, str | None]:
+    """(the loaded op, None) when a good build of this key is in the cache; else (None, the build id
+    of a build that is there but does not load, or None). Never builds, never locks.
 
-    A build whose file is damaged or does not load is left for ``build_and_load`` to replace.
+    Raises CacheError when the build is there but not safe to load (see ``cache.check_trusted``).
     """
     handle = loader.loaded(spec.op, spec.key)
     if handle is not None:
-        return handle
-    artifact, manifest, _why = cache.check_build(cache.Slot(spec.op, spec.key).path)
+        return handle, None
+    slot = cache.Slot(spec.op, spec.key)
+    artifact, manifest, _why = cache.check_build(slot.path)
     if artifact is None or manifest is None:
-        return None
+        return None, None
+    cache.check_trusted(slot, artifact)
     try:
-        return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+        return loader.load_artifact(spec.op, spec.key, artifact, manifest), None
     except (OSError, ImportError):
-        return None
+        return None, str(manifest.get("build_id"))
 
 
 def build_and_load(spec: BuildSpec) -> Any:
     """Return the loaded op, building it first when the cache has no good build of its key.
 
-    Raises CacheError when the cache folder is unusable, CacheLockTimeout when another process holds
-    the key's lock past OPB_LOCK_TIMEOUT, BuildError when the compile fails (here or in the process
-    we waited for).
+    Raises CacheError when the cache folder is unusable or unsafe, CacheLockTimeout when another
+    process holds the key's lock past OPB_LOCK_TIMEOUT, BuildError when the compile fails (here or in
+    the process we waited for).
     """
-    handle = load_cached(spec)
+    handle, unloadable = load_cached(spec)
     if handle is not None:
         return handle
+    build_dir = ensure_built(spec, reject_build_id=unloadable)
+    artifact, manifest, why = cache.check_build(build_dir)
+    if artifact is None or manifest is None:
+        raise BuildError(f"opbuilder: the build of {spec.op} in {build_dir} is unusable: {why}")
+    return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+
+
+def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
+    """The folder of a good build of ``spec``'s key, building it under the key's lock if needed.
+
+    ``reject_build_id`` names a build found not to load: it is rebuilt unless another process
+    already replaced it. Raises as ``build_and_load`` does.
+    """
+    slot = cache.Slot(spec.op, spec.key)
+    if _good_build(slot, reject_build_id):
+        return slot.path
     from filelock import FileLock, Timeout
 
-    slot = cache.Slot(spec.op, spec.key)
     cache.ensure_dir(slot.op_dir)
+    cache.check_trusted(slot)
+    cache.refuse_symlink(slot.lock_path)
     lock = FileLock(str(slot.lock_path), timeout=env.lock_timeout())
     waited_since = time.time()
     try:
@@ -95,19 +116,24 @@ def build_and_load(spec: BuildSpec) -> Any:
             f"of op {spec.op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
         ) from None
     try:
-        handle = load_cached(spec)
-        if handle is not None:
-            return handle
+        if _good_build(slot, reject_build_id):
+            return slot.path
         failure = cache.read_failure(slot)
         if waited and failure is not None and float(failure.get("time", 0)) >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
-        artifact_dir = _build(spec, slot)
-        artifact, manifest, why = cache.check_build(artifact_dir)
-        if artifact is None or manifest is None:
-            raise BuildError(f"opbuilder: the build of {spec.op} published an unusable artifact: {why}")
-        return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+        return _build(spec, slot)
     finally:
         lock.release()
+
+
+def _good_build(slot: cache.Slot, reject_build_id: str | None) -> bool:
+    artifact, manifest, _why = cache.check_build(slot.path)
+    if artifact is None or manifest is None:
+        return False
+    if reject_build_id is not None and str(manifest.get("build_id")) == reject_build_id:
+        return False
+    cache.check_trusted(slot, artifact)
+    return True
 
 
 def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
@@ -120,6 +146,9 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
         ok, log_text = _run_worker(spec, tmp_dir)
         seconds = time.time() - started
         if not ok:
+            full = _DISK_FULL.search(log_text)
+            if full:
+                raise CacheError(cache.full_message(slot.op_dir, full.group(0)))
             message = _failure_message(spec, log_text)
             log_path = cache.record_failure(slot, message, log_text)
             raise BuildError(f"{message}\nfull log: {log_path}")
@@ -141,7 +170,12 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
             "inputs": spec.inputs,
             **cache.describe_artifact(artifact),
         }
-        published = cache.publish(slot, tmp_dir, manifest)
+        try:
+            published = cache.publish(slot, tmp_dir, manifest)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise CacheError(cache.full_message(slot.op_dir, os.strerror(exc.errno))) from exc
+            raise
         _say(f"built {spec.op} in {seconds:.1f} s")
         return published
     finally:
@@ -181,6 +215,7 @@ def _run_worker(spec: BuildSpec, tmp_dir: Path) -> tuple[bool, str]:
     return code == 0, log_path.read_text(errors="replace")
 
 
+_DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded|File too large|File size limit exceeded")
 _ERROR_LINE = re.compile(r"(error|Error:|undefined reference|FAILED:)")
 
 

@@ -56,12 +56,12 @@ class OpBuilder:
         return []
 
     def cxx_args(self) -> list[str]:
-        args = ["-O3", "-std=c++17"]
+        args = ["-O3", toolchain.cxx_standard()]
         arch = env.cpu_arch()
         return args + ([f"-march={arch}"] if arch else [])
 
     def nvcc_args(self) -> list[str]:
-        return ["-O3", "-std=c++17", "--expt-relaxed-constexpr"] + toolchain.gencode_flags(self.cuda_archs())
+        return ["-O3", toolchain.cxx_standard(), "--expt-relaxed-constexpr"] + toolchain.gencode_flags(self.cuda_archs())
 
     def extra_ldflags(self) -> list[str]:
         return []

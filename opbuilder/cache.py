@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,8 +35,14 @@ TMP_PREFIX = ".tmp-"
 
 def ensure_dir(path: Path) -> Path:
     """Create ``path`` (mode 0700) or raise CacheError naming it and the variable that moves it."""
+    missing = []
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for folder in reversed(missing):  # each new folder private, the root included
+            folder.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise CacheError(_unusable(path, exc)) from exc
     if not os.access(path, os.W_OK | os.X_OK):
@@ -49,6 +56,50 @@ def _unusable(path: Path, exc: OSError) -> str:
         f"opbuilder cannot write its cache folder {path}: {reason}. "
         f"Point OPB_CACHE_DIR at a writable folder (now: {env.cache_root()})."
     )
+
+
+def full_message(folder: Path, reason: str) -> str:
+    return (
+        f"opbuilder: the cache folder {folder} ran out of space while building ({reason}); nothing was "
+        f"published. Free space there or point OPB_CACHE_DIR at another folder (now: {env.cache_root()})."
+    )
+
+
+def check_trusted(slot: "Slot", artifact: Path | None = None) -> None:
+    """Refuse a cache that someone else could have written: loading from it runs their code here.
+
+    The root, the op's folder, the build folder and the artifact must be owned by this user (or root)
+    and not writable by group or others, unless OPB_TRUST_SHARED_CACHE=1. Raises CacheError.
+    """
+    if env.trust_shared_cache():
+        return
+    paths = [env.cache_root(), slot.op_dir] + ([slot.path, artifact] if artifact is not None else [])
+    me = os.getuid()
+    for path in paths:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        problem = None
+        if st.st_uid not in (me, 0):
+            problem = f"is owned by another user (uid {st.st_uid})"
+        elif st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):
+            problem = f"is writable by {'group' if st.st_mode & 0o020 else 'others'} (mode {stat.S_IMODE(st.st_mode):o})"
+        if problem:
+            raise CacheError(
+                f"opbuilder: refusing to use {path}: it {problem}, so loading from it could run someone "
+                f"else's code in this process. Use a private cache (OPB_CACHE_DIR) or, for a cache shared on "
+                f"purpose, set OPB_TRUST_SHARED_CACHE=1."
+            )
+
+
+def refuse_symlink(path: Path) -> None:
+    """A lock or record file that is a symbolic link was planted: never open through it."""
+    if path.is_symlink():
+        raise CacheError(
+            f"opbuilder: refusing to use {path}: it is a symbolic link (to {os.readlink(path)}), which opbuilder "
+            f"never creates. Remove it, and check who can write to {path.parent}."
+        )
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -16,6 +16,7 @@ VARIABLES: dict[str, str] = {
     "OPB_VERBOSE": "1 shows the compiler's output while building.",
     "OPB_MAX_JOBS": "Parallel compile jobs inside one build (default: all cores).",
     "OPB_CPU_ARCH": "Value for -march on CPU code (default 'native' for JIT builds; 'none' omits it).",
+    "OPB_TRUST_SHARED_CACHE": "1 loads from a cache that other users own or can write to (a deliberately shared cache).",
     "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
     "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
     "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
@@ -90,6 +91,10 @@ def path_dirs() -> list[str]:
     return (os.environ.get("PATH") or "").split(os.pathsep)
 
 
+def trust_shared_cache() -> bool:
+    return _flag("OPB_TRUST_SHARED_CACHE")
+
+
 def build_all_ops() -> bool:
     return _flag("OPB_BUILD_OPS")
 
@@ -100,6 +105,15 @@ def build_var(name: str) -> bool | None:
     if raw is None:
         return None
     return _flag(name)
+
+
+def build_vars() -> dict[str, bool]:
+    """Every ``OPB_BUILD_<OP>`` that is set (``OPB_BUILD_OPS`` aside), so a misspelt op can be named."""
+    return {
+        name: _flag(name)
+        for name in sorted(os.environ)
+        if name.startswith("OPB_BUILD_") and name != "OPB_BUILD_OPS" and _get(name) is not None
+    }
 
 
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:

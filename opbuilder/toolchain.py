@@ -91,6 +91,14 @@ def _write_memo(memo_path: Path, memo: dict) -> None:
         pass  # a memo is an optimisation; a read-only cache is reported where it matters
 
 
+def cxx_standard() -> str:
+    """The C++ standard torch's headers need: C++20 from torch 2.13 on, C++17 before."""
+    import torch
+    from packaging.version import Version
+
+    return "-std=c++20" if Version(torch.__version__.split("+")[0]) >= Version("2.13") else "-std=c++17"
+
+
 def cxx_path() -> str | None:
     return which(env.cxx_compiler())
 

@@ -30,7 +30,7 @@ BINDINGS = sorted(p for p in KERNELS_DIR.glob("*/binding.cpp") if any(p.parent.g
 @needs_nvcc
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_cu_compiles_for_sm90(source: Path, tmp_path: Path) -> None:
-    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "--expt-relaxed-constexpr",
+    cmd = [NVCC, toolchain.cxx_standard(), "-O3", "-gencode=arch=compute_90,code=sm_90", "--expt-relaxed-constexpr",
            *TORCH_NVCC_DEFINES, f"-I{INCLUDE_DIR}", f"-I{KERNELS_DIR}", "-c", str(source), "-o", str(tmp_path / "k.o")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -47,7 +47,7 @@ def test_binding_compiles_with_cuda(source: Path, tmp_path: Path) -> None:
     stub.parent.mkdir(parents=True)
     stub.write_text("#pragma once\n")
     cuda_include = Path(toolchain.cuda_home()) / "include"
-    cmd = ["c++", "-std=c++17", "-fsyntax-only", "-DOPB_WITH_CUDA", "-DOPB_NAMESPACE=opb_check",
+    cmd = ["c++", toolchain.cxx_standard(), "-fsyntax-only", "-DOPB_WITH_CUDA", "-DOPB_NAMESPACE=opb_check",
            f"-I{INCLUDE_DIR}", f"-I{KERNELS_DIR}", f"-I{cuda_include}", f"-I{tmp_path}",
            *[f"-I{p}" for p in include_paths()], f"-I{sysconfig.get_paths()['include']}", str(source)]
     result = subprocess.run(cmd, capture_output=True, text=True)
