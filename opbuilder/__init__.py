@@ -3,6 +3,7 @@
 from opbuilder.builder import OpBuilder
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, UnknownOpError
 from opbuilder.registry import get_builder
+from opbuilder.warm import prepare
 
 __version__ = "0.1.0"
 
@@ -14,5 +15,6 @@ __all__ = [
     "OpBuilder",
     "UnknownOpError",
     "get_builder",
+    "prepare",
     "__version__",
 ]

@@ -37,6 +37,9 @@ class OpBuilder:
     BUILD_VAR: str | None = None
     #: Bump to force a rebuild when something outside the hashed files changes the binary.
     VERSION: str = "1"
+    #: CUDA libraries the CUDA part links, e.g. ``("cublasLt",)``: found in the nvidia wheels or the
+    #: toolkit, added to the include paths and link flags; when one is missing only the CPU part is built.
+    CUDA_LIBRARIES: tuple[str, ...] = ()
     #: True for a ``PYBIND11_MODULE`` binding, False for ``TORCH_LIBRARY``; None: detect from the sources.
     PYTHON_MODULE: bool | None = None
 
@@ -61,10 +64,17 @@ class OpBuilder:
         return args + ([f"-march={arch}"] if arch else [])
 
     def nvcc_args(self) -> list[str]:
-        return ["-O3", toolchain.cxx_standard(), "--expt-relaxed-constexpr"] + toolchain.gencode_flags(self.cuda_archs())
+        libs = [f"-I{lib.include_dir}" for lib in self._cuda_libraries() if lib is not None]
+        return ["-O3", toolchain.cxx_standard(), "--expt-relaxed-constexpr"] + libs + toolchain.gencode_flags(self.cuda_archs())
 
     def extra_ldflags(self) -> list[str]:
-        return []
+        flags = toolchain.libstdcxx_ldflags()
+        if not self.CUDA_LIBRARIES or not self.with_cuda():
+            return flags
+        return flags + [flag for lib in self._cuda_libraries() if lib is not None for flag in lib.ldflags()]
+
+    def _cuda_libraries(self) -> list[toolchain.CudaLibrary | None]:
+        return [toolchain.find_cuda_library(name) for name in self.CUDA_LIBRARIES]
 
     def source_root(self) -> Path:
         module = sys.modules.get(type(self).__module__)
@@ -99,6 +109,9 @@ class OpBuilder:
             return "nvcc not found (set CUDA_HOME)"
         if not self.cuda_archs():
             return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
+        missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
+        if missing:
+            return f"CUDA libraries not found: {', '.join(missing)} (install their nvidia-* wheels or a full CUDA toolkit)"
         return None
 
     def with_cuda(self) -> bool:
@@ -216,8 +229,16 @@ class OpBuilder:
         """The op, compiled on first use: a ``torch.ops`` namespace for ``TORCH_LIBRARY`` builds,
         the extension module for ``PYBIND11_MODULE`` builds.
 
+        A built-in op compiled at install time is used when it was built for this process
+        (``opbuilder.prebuilt``); its namespace is then the prebuilt one, not ``self.namespace``.
+
         Raises IncompatibleOpError, BuildError, CacheLockTimeout or CacheError, each saying why.
         """
+        from opbuilder import prebuilt
+
+        handle = prebuilt.load(self)
+        if handle is not None:
+            return handle
         reasons = self.incompatibility_reasons()
         if reasons:
             raise IncompatibleOpError(f"op {self.name!r} cannot be built here: " + "; ".join(reasons))
@@ -226,14 +247,22 @@ class OpBuilder:
         return build.build_and_load(self.build_spec())
 
     def builder(self) -> Any:
-        """A setuptools extension that compiles this op at install time."""
+        """A setuptools extension that compiles this op at install time, into
+        ``opbuilder/_prebuilt/<op>/`` (see ``opbuilder.prebuilt``).
+
+        Portable: no ``-march``. Named by the prebuilt key, which hashes what the library must match
+        at load, so its namespace never collides with a JIT build's.
+        """
         from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
+        from opbuilder import prebuilt
+
         with_cuda = self.with_cuda()
+        key = prebuilt.prebuilt_key(self)
         sources = [str(p) for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
-        ns_flag = f"-DOPB_NAMESPACE={self.namespace}"
+        ns_flag = f"-DOPB_NAMESPACE=opb_{self.name}_{key[:12]}"
         kwargs: dict[str, Any] = {
-            "name": f"opbuilder._prebuilt.{self.name}_{self.key[:12]}",
+            "name": f"opbuilder._prebuilt.{self.name}.{self.name}_{key[:12]}",
             "sources": sources,
             "include_dirs": [str(p) for p in self._include_dirs()],
             "extra_link_args": self.extra_ldflags(),

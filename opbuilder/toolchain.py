@@ -7,11 +7,13 @@ mtime) in the cache root, so a warm load never runs a compiler.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from opbuilder import env
@@ -57,9 +59,10 @@ def _version_memo_path() -> Path:
 
 
 def compiler_identity(path: str) -> dict[str, object]:
-    """Path, size, mtime and first ``--version`` line of a compiler binary.
+    """Path, size, mtime, ``--version`` line (and for a C++ compiler, whether it links the C++
+    runtime statically) of a compiler binary.
 
-    The version is asked once per binary and remembered in the cache root; later calls only stat.
+    Asked once per binary and remembered in the cache root; later calls only stat.
     """
     st = os.stat(path)
     ident = f"{path}:{st.st_size}:{st.st_mtime_ns}"
@@ -68,18 +71,45 @@ def compiler_identity(path: str) -> dict[str, object]:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
         memo = {}
-    version = memo.get(ident) if isinstance(memo, dict) else None
-    if not isinstance(version, str):
-        try:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
-            lines = [ln for ln in (out.stdout or out.stderr).splitlines() if ln.strip()]
-            version = lines[-1] if "nvcc" in os.path.basename(path) and lines else (lines[0] if lines else "unknown")
-        except (OSError, subprocess.SubprocessError):
-            version = "unknown"
+    record = memo.get(ident) if isinstance(memo, dict) else None
+    if not isinstance(record, dict):
+        record = {"version": _ask(path, ["--version"], last="nvcc" in os.path.basename(path))}
+        if "nvcc" not in os.path.basename(path):
+            # A bare name back means the compiler has no shared C++ runtime to link.
+            record["static_libstdcxx"] = "/" not in _ask(path, ["-print-file-name=libstdc++.so"])
         memo = memo if isinstance(memo, dict) else {}
-        memo[ident] = version
+        memo[ident] = record
         _write_memo(memo_path, memo)
-    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "version": version}
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, **record}
+
+
+def _ask(path: str, args: list[str], last: bool = False) -> str:
+    """One line of a compiler's answer to ``args`` (the first, or the last), or "unknown"."""
+    try:
+        out = subprocess.run([path, *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = [ln for ln in (out.stdout or out.stderr).splitlines() if ln.strip()]
+    if not lines:
+        return "unknown"
+    return lines[-1] if last else lines[0]
+
+
+def libstdcxx_ldflags() -> list[str]:
+    """Link flags that make an op use the shared C++ runtime torch itself uses.
+
+    Some toolchains (seen: a g++ under /opt/gcc on the GPU image) ship only ``libstdc++.a``, so an
+    op links its own static copy of the C++ runtime, whose locale is never set up: formatting a
+    number in an error message then crashes the process. Such a compiler gets the system's
+    ``libstdc++.so.6`` named explicitly, ahead of the static library.
+    """
+    cxx = cxx_path()
+    if cxx is None:
+        return []
+    identity = compiler_identity(cxx)
+    if not identity.get("static_libstdcxx"):
+        return []
+    return ["-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed"]
 
 
 def _write_memo(memo_path: Path, memo: dict) -> None:
@@ -89,6 +119,48 @@ def _write_memo(memo_path: Path, memo: dict) -> None:
         cache.write_text_atomic(memo_path, json.dumps(memo, indent=1, sort_keys=True))
     except OSError:
         pass  # a memo is an optimisation; a read-only cache is reported where it matters
+
+
+@dataclass(frozen=True)
+class CudaLibrary:
+    """Where a CUDA library's header and shared object are."""
+
+    include_dir: Path
+    lib_dir: Path
+    lib_name: str  # "libcublasLt.so", or a versioned "libcublasLt.so.13" (pip wheels ship no unversioned one)
+
+    def ldflags(self) -> list[str]:
+        stem = self.lib_name.removeprefix("lib").partition(".so")[0]
+        link = f"-l{stem}" if self.lib_name.endswith(".so") else f"-l:{self.lib_name}"
+        # The rpath finds the library when torch has not loaded it already.
+        return [f"-L{self.lib_dir}", link, f"-Wl,-rpath,{self.lib_dir}"]
+
+
+def _cuda_library_roots() -> list[Path]:
+    # The nvidia-* wheels beside torch first: they hold the libraries torch itself loads.
+    roots: list[Path] = []
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        roots += sorted(p for p in Path(base).iterdir() if (p / "include").is_dir())
+        roots += sorted(p for p in Path(base).glob("cu*") if (p / "include").is_dir())
+    home = cuda_home()
+    if home:
+        roots += [Path(home)] + sorted(Path(home).glob("targets/*"))
+    return roots
+
+
+@functools.lru_cache(maxsize=None)
+def find_cuda_library(name: str) -> CudaLibrary | None:
+    """A CUDA library (``name`` as in ``cublasLt``: header ``cublasLt.h``, ``libcublasLt.so*``), from
+    the nvidia wheels or the CUDA toolkit; None when absent."""
+    for root in _cuda_library_roots():
+        if not (root / "include" / f"{name}.h").is_file():
+            continue
+        for lib_dir in (root / "lib", root / "lib64"):
+            libs = sorted(lib_dir.glob(f"lib{name}.so*"), key=lambda p: len(p.name))
+            if libs:
+                return CudaLibrary(root / "include", lib_dir, libs[0].name)
+    return None
 
 
 def cxx_standard() -> str:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float
-from opbuilder.ops._lazy import LazyOps
+from opbuilder.lazy import LazyOps
 
 
 def _register(ns: str) -> None:
@@ -32,7 +32,6 @@ def relu_op() -> torch._ops.OpOverload:
     return _ops().relu.default
 
 
-@torch.compiler.allow_in_graph
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
     check_float("relu", "x", x)

@@ -226,3 +226,20 @@ def test_deepspeed_tutorial_builder_with_pybind(tmp_path: Path, fresh_cache: Pat
     assert result.returncode == 0, result.stderr
     err = float(result.stdout.split("MAXERR")[1])
     assert err < 1e-5
+
+
+def test_compiler_without_shared_cxx_runtime_gets_it_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A g++ that only has libstdc++.a would give each op its own C++ runtime, whose locale is never
+    set up (number formatting in an error message then crashes): such a compiler links libstdc++.so.6."""
+    from opbuilder import toolchain
+
+    fake = tmp_path / "bin" / "g++"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$1" in\n  --version) echo "g++ (static runtime) 13.3.0";;\n'
+                    '  -print-file-name=*) echo "libstdc++.so";;\nesac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    assert toolchain.libstdcxx_ldflags() == ["-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed"]
+    monkeypatch.setenv("CXX", "g++")
+    assert toolchain.libstdcxx_ldflags() == []

@@ -11,8 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from conftest import ROOT, run_python
 from userop import load_snippet, write_user_op
 

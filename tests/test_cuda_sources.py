@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opbuilder import toolchain
+from opbuilder import registry, toolchain
 from opbuilder.builder import INCLUDE_DIR, KERNELS_DIR
 
 NVCC = toolchain.nvcc_path()
@@ -30,8 +30,13 @@ BINDINGS = sorted(p for p in KERNELS_DIR.glob("*/binding.cpp") if any(p.parent.g
 @needs_nvcc
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_cu_compiles_for_sm90(source: Path, tmp_path: Path) -> None:
+    builder = registry.get_builder(source.parent.name)
+    missing = [n for n in builder.CUDA_LIBRARIES if toolchain.find_cuda_library(n) is None]
+    if missing:
+        pytest.skip(f"headers of {', '.join(missing)} are not installed here")
+    libs = [f"-I{toolchain.find_cuda_library(n).include_dir}" for n in builder.CUDA_LIBRARIES]
     cmd = [NVCC, toolchain.cxx_standard(), "-O3", "-gencode=arch=compute_90,code=sm_90", "--expt-relaxed-constexpr",
-           *TORCH_NVCC_DEFINES, f"-I{INCLUDE_DIR}", f"-I{KERNELS_DIR}", "-c", str(source), "-o", str(tmp_path / "k.o")]
+           *TORCH_NVCC_DEFINES, f"-I{INCLUDE_DIR}", f"-I{KERNELS_DIR}", *libs, "-c", str(source), "-o", str(tmp_path / "k.o")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
 

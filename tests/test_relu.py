@@ -77,9 +77,10 @@ def test_bad_input(bad: object, exc: type, words: str) -> None:
         ops.relu(bad)
 
 
-def test_the_cxx_check_also_names_the_argument() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_cxx_check_also_names_the_argument(device: str) -> None:
     with pytest.raises(RuntimeError, match="relu: x must be float32"):
-        relu_op()(torch.arange(4))
+        relu_op()(torch.arange(4, device=device))
 
 
 def test_namespace_carries_the_key() -> None:

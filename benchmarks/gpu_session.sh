@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything the GPU machine does in one call: install, cold builds, the whole test suite (the CUDA
+# tests included), the benchmark that writes RESULTS.md, and the load-time numbers.
+#   OUT=$OUT benchmarks/gpu_session.sh        (on the device tool; logs and results land in $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/opb-gpu}"
+mkdir -p "$out"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" OPB_CACHE_DIR="${OPB_CACHE_DIR:-/tmp/opb-cache}" PYTHONUNBUFFERED=1
+py=python3
+
+step() { echo "=== $* ($(date +%T))"; }
+
+step install
+$py -m pip install --no-deps --no-build-isolation -e . -q >"$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+$py -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+
+step "a C++ check's error reaches Python (no crash), CPU and CUDA"
+cat >/tmp/opb_errors.py <<'PY'
+import torch
+from opbuilder.ops.relu import relu_op
+from opbuilder.ops.fused_matmul_add_relu import fused_matmul_add_relu_op
+for dev in ("cpu", "cuda"):
+    for name, call in [("relu dtype", lambda: relu_op()(torch.arange(4, device=dev))),
+                       ("matmul K", lambda: fused_matmul_add_relu_op()(torch.zeros(4, 5, device=dev), torch.zeros(6, 3, device=dev), None))]:
+        try:
+            call(); print(dev, name, "no error", flush=True)
+        except RuntimeError as e:
+            print(dev, name, "ok:", str(e).splitlines()[0][:120], flush=True)
+PY
+$py -X faulthandler /tmp/opb_errors.py >"$out/errors.log" 2>&1; code=$?; tail -8 "$out/errors.log"
+if [ $code -ne 0 ] && command -v cuda-gdb >/dev/null; then
+  timeout 120 cuda-gdb -batch -ex run -ex bt --args $py /tmp/opb_errors.py >"$out/errors_bt.log" 2>&1; grep -E "^#" "$out/errors_bt.log" | head -25
+fi
+
+step "cold build of every op"
+/usr/bin/time -f "build --all: %e s" timeout 240 $py -m opbuilder build --all 2>&1 | tee "$out/build.log" | tail -12
+
+step "tests (all but the slow ones), 8 workers"
+timeout "${TEST_TIMEOUT:-300}" $py -m pytest tests -q -n 8 -m "not slow" -p no:cacheprovider -rfE ${PYTEST_ARGS:-} \
+    >"$out/tests.log" 2>&1
+echo "pytest exit: $?"; grep -E "passed|failed|error" "$out/tests.log" | tail -3; grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
+
+step benchmark
+OUT="$out" WARM_LOAD_REPEATS="${WARM_LOAD_REPEATS:-5}" timeout "${BENCH_TIMEOUT:-200}" benchmarks/run_bench.sh ${BENCH_ARGS:-} \
+    >"$out/bench.log" 2>&1
+echo "bench exit: $?"; tail -45 "$out/bench.log"

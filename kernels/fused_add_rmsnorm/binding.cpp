@@ -1,0 +1,188 @@
+// fused_add_rmsnorm as Torch ops: schemas, input checks, CPU and CUDA implementations.
+//
+//   fused_add_rmsnorm(input, residual, weight, eps) -> (out, residual_out)
+//   fused_add_rmsnorm_backward(grad_out, grad_residual_out?, residual_out, weight, eps) -> (grad_input, grad_weight)
+//   rms_norm(input, weight, eps) -> out                      (no residual: nothing extra read or written)
+//
+// grad_input is the gradient of both input and residual. rms_norm's backward is
+// fused_add_rmsnorm_backward with residual_out = rms_norm's input and no grad_residual_out.
+#include <opbuilder/binding.h>
+
+#include "common/huge_pages.h"
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "fused_add_rmsnorm_cpu.h"
+#ifdef OPB_WITH_CUDA
+#include "fused_add_rmsnorm.cuh"
+#endif
+
+namespace {
+
+namespace k = opb::fused_add_rmsnorm;
+
+constexpr const char* kFwd = "fused_add_rmsnorm";
+constexpr const char* kBwd = "fused_add_rmsnorm_backward";
+constexpr const char* kRms = "rms_norm";
+
+struct Rows {
+  int64_t rows;
+  int64_t hidden;
+};
+
+// `x` ([..., hidden]) and `weight` ([hidden]): float dtypes, the same dtype and device.
+Rows check_x_and_weight(const char* op, const at::Tensor& x, const char* x_name, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.dim() >= 1, op, ": ", x_name, " must have at least 1 dimension ([..., hidden]), got a 0-d tensor");
+  opb::dtype_of(x, op, x_name);
+  opb::dtype_of(weight, op, "weight");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight must have ", x_name, "'s dtype ",
+              x.scalar_type(), ", got ", weight.scalar_type());
+  TORCH_CHECK(weight.device() == x.device(), op, ": weight must be on ", x_name, "'s device ", x.device(), ", got ",
+              weight.device());
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, op, ": weight must have shape [", hidden, "] to match ",
+              x_name, "'s last dim, got ", weight.sizes());
+  TORCH_CHECK(hidden <= INT32_MAX, op, ": ", x_name, "'s last dim must be at most ", INT32_MAX, ", got ", hidden);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be a finite number >= 0, got ", eps);
+  return {hidden == 0 ? 0 : x.numel() / hidden, hidden};
+}
+
+// `t` must match `ref` in dtype, device and shape.
+void check_like(const char* op, const at::Tensor& ref, const char* ref_name, const at::Tensor& t, const char* name) {
+  opb::dtype_of(t, op, name);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have ", ref_name, "'s dtype ",
+              ref.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref_name, "'s device ", ref.device(),
+              ", got ", t.device());
+  TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", name, " must have ", ref_name, "'s shape ", ref.sizes(), ", got ",
+              t.sizes());
+}
+
+// Contiguous, and on CUDA 16-byte aligned (a view with an odd offset is copied): the kernels' loads are
+// 16 bytes wide.
+at::Tensor prepare(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (c.is_cuda() && c.numel() > 0 && reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 != 0) {
+    c = c.clone();
+  }
+  return c;
+}
+
+const void* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr() : nullptr;
+}
+
+// Outputs: contiguous, shaped like `like`.
+at::Tensor new_output(const at::Tensor& like) {
+  at::Tensor t = like.new_empty(like.sizes());
+  if (t.is_cpu()) opb::advise_huge_pages(t.mutable_data_ptr(), t.nbytes());
+  return t;
+}
+
+// ---- forward ---------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rmsnorm_impl(const at::Tensor& input, const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps) {
+  const Rows s = check_x_and_weight(kFwd, input, "input", weight, eps);
+  check_like(kFwd, input, "input", residual, "residual");
+  const at::Tensor x = prepare(input), r = prepare(residual), w = prepare(weight);
+  at::Tensor out = new_output(x), residual_out = new_output(x);
+  if (s.rows == 0) return {out, residual_out};
+  const opb::DType dt = opb::dtype_of(x, kFwd, "input");
+  if (x.is_cpu()) {
+    k::forward_cpu(x.const_data_ptr(), r.const_data_ptr(), w.const_data_ptr(), out.mutable_data_ptr(),
+                   residual_out.mutable_data_ptr(), s.rows, s.hidden, eps, dt);
+  } else {
+#ifdef OPB_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    opb::check_launch(k::launch_forward(x.const_data_ptr(), r.const_data_ptr(), w.const_data_ptr(),
+                                        out.mutable_data_ptr(), residual_out.mutable_data_ptr(), s.rows, s.hidden,
+                                        eps, dt, opb::stream_of(x)),
+                      kFwd);
+#endif
+  }
+  return {out, residual_out};
+}
+
+at::Tensor rms_norm_impl(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  const Rows s = check_x_and_weight(kRms, input, "input", weight, eps);
+  const at::Tensor x = prepare(input), w = prepare(weight);
+  at::Tensor out = new_output(x);
+  if (s.rows == 0) return out;
+  const opb::DType dt = opb::dtype_of(x, kRms, "input");
+  if (x.is_cpu()) {
+    k::forward_cpu(x.const_data_ptr(), nullptr, w.const_data_ptr(), out.mutable_data_ptr(), nullptr, s.rows,
+                   s.hidden, eps, dt);
+  } else {
+#ifdef OPB_WITH_CUDA
+    c10::cuda::CUDAGuard guard(x.device());
+    opb::check_launch(k::launch_forward(x.const_data_ptr(), nullptr, w.const_data_ptr(), out.mutable_data_ptr(),
+                                        nullptr, s.rows, s.hidden, eps, dt, opb::stream_of(x)),
+                      kRms);
+#endif
+  }
+  return out;
+}
+
+// ---- backward --------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& grad_out,
+                                                 const std::optional<at::Tensor>& grad_residual_out,
+                                                 const at::Tensor& residual_out, const at::Tensor& weight,
+                                                 double eps) {
+  const Rows s = check_x_and_weight(kBwd, residual_out, "residual_out", weight, eps);
+  check_like(kBwd, residual_out, "residual_out", grad_out, "grad_out");
+  if (grad_residual_out.has_value()) {
+    check_like(kBwd, residual_out, "residual_out", *grad_residual_out, "grad_residual_out");
+  }
+  const at::Tensor gy = prepare(grad_out), h = prepare(residual_out), w = prepare(weight);
+  std::optional<at::Tensor> gr;
+  if (grad_residual_out.has_value()) gr = prepare(*grad_residual_out);
+  at::Tensor grad_h = new_output(h);
+  at::Tensor grad_w = w.new_empty(w.sizes());
+  if (s.rows == 0) return {grad_h, grad_w.zero_()};  // no rows: the weight gradient is an empty sum
+  const opb::DType dt = opb::dtype_of(h, kBwd, "residual_out");
+  if (h.is_cpu()) {
+    k::backward_cpu(gy.const_data_ptr(), ptr_or_null(gr), h.const_data_ptr(), w.const_data_ptr(),
+                    grad_h.mutable_data_ptr(), grad_w.mutable_data_ptr(), s.rows, s.hidden, eps, dt);
+  } else {
+#ifdef OPB_WITH_CUDA
+    c10::cuda::CUDAGuard guard(h.device());
+    const int64_t ws_size = k::backward_workspace_size(s.rows, s.hidden, dt);
+    at::Tensor ws = h.new_empty({ws_size}, h.options().dtype(dt == opb::DType::Float64 ? at::kDouble : at::kFloat));
+    opb::check_launch(k::launch_backward(gy.const_data_ptr(), ptr_or_null(gr), h.const_data_ptr(), w.const_data_ptr(),
+                                         grad_h.mutable_data_ptr(), grad_w.mutable_data_ptr(), ws.mutable_data_ptr(),
+                                         ws_size, s.rows, s.hidden, eps, dt, opb::stream_of(h)),
+                      kBwd);
+#endif
+  }
+  return {grad_h, grad_w};
+}
+
+}  // namespace
+
+OPB_LIBRARY(m) {
+  m.def("fused_add_rmsnorm(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "fused_add_rmsnorm_backward(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, Tensor weight, "
+      "float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+}
+
+OPB_LIBRARY_IMPL(CPU, m) {
+  m.impl("fused_add_rmsnorm", &fused_add_rmsnorm_impl);
+  m.impl("fused_add_rmsnorm_backward", &backward_impl);
+  m.impl("rms_norm", &rms_norm_impl);
+}
+
+#ifdef OPB_WITH_CUDA
+OPB_LIBRARY_IMPL(CUDA, m) {
+  m.impl("fused_add_rmsnorm", &fused_add_rmsnorm_impl);
+  m.impl("fused_add_rmsnorm_backward", &backward_impl);
+  m.impl("rms_norm", &rms_norm_impl);
+}
+#endif

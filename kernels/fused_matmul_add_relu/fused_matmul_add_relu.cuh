@@ -1,0 +1,58 @@
+// fused_matmul_add_relu's CUDA launcher, as the binding sees it: raw pointers, sizes, strides and a
+// stream; no torch types. The GEMM and its bias + ReLU run in one cuBLASLt call (an epilogue).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <cstddef>
+#include <cstdint>
+
+#include <opbuilder/dtype.h>
+
+namespace opb::fused_matmul_add_relu {
+
+// One input as a batch of row-major [rows, cols] matrices, read in place.
+struct Matrix {
+  const void* data = nullptr;
+  // false: element (r, c) at data[r * ld + c] (row-major, ld >= cols);
+  // true:  element (r, c) at data[c * ld + r] (a transposed view, ld >= rows), e.g. weight.t().
+  bool transposed = false;
+  int64_t ld = 0;
+  // Elements from one batch entry to the next; 0 broadcasts one matrix over the batch.
+  int64_t batch_stride = 0;
+};
+
+// out[b] = relu(lhs[b] @ rhs[b] + bias_vector + c[b]) for b < batch; every term after the product
+// is optional. Sizes are > 0 (the binding handles empty problems).
+struct Problem {
+  int64_t batch = 1;
+  int64_t m = 0, n = 0, k = 0;
+  Matrix lhs;  // [batch, m, k]
+  Matrix rhs;  // [batch, k, n]
+  // [n]: one value per output column, added by cuBLASLt's RELU_BIAS epilogue; nullptr: none.
+  const void* bias_vector = nullptr;
+  // [batch, m, n] row-major with ld n, added with beta = 1 (D = relu(A B + C)); may be `out` itself
+  // (in place). nullptr: none.
+  const void* c = nullptr;
+  int64_t c_batch_stride = 0;
+  void* out = nullptr;  // [batch, m, n] contiguous
+  DType dtype = DType::Float32;
+  // float32 only: lets cuBLAS round the inputs to TF32 (torch.backends.cuda.matmul.allow_tf32).
+  bool allow_tf32 = false;
+};
+
+enum class Status : int {
+  Ok = 0,
+  NotSupported = 1,  // cuBLASLt has no algorithm for this problem: the caller computes it another way
+  Failed = 2,
+};
+
+struct Result {
+  Status status;
+  const char* message;  // static text; empty when Ok
+};
+
+// Runs `p` on `stream` with the current device's cuBLASLt handle (created once per device).
+// workspace: device memory of workspace_bytes, stream-ordered on `stream`.
+Result launch(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace opb::fused_matmul_add_relu

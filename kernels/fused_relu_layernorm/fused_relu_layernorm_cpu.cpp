@@ -1,0 +1,222 @@
+// fused_relu_layernorm on the CPU. Rows run in parallel. Within a row, sums run over blocks of kBlock
+// elements in kLanes independent accumulators, so the compiler vectorizes them (one running float sum
+// cannot be reordered), and the block sums are added in double, so the error does not grow with the
+// row length. Variance is two-pass over a row buffer that stays in L1.
+#include "fused_relu_layernorm_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace opb::fused_relu_layernorm {
+namespace {
+
+// Accumulation type: double for double data, float otherwise.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename A>
+constexpr int kLanes = 64 / sizeof(A);  // one 512-bit register's worth
+
+// relu that keeps NaN, as torch.relu: `v < 0` is false for NaN.
+template <typename A>
+inline A relu(A v) {
+  return v < A(0) ? A(0) : v;
+}
+
+// Rows per parallel task: at least ~32K elements, so the thread pool's overhead stays small.
+inline int64_t row_grain(int64_t hidden) { return std::max<int64_t>(1, 32768 / hidden); }
+
+constexpr int64_t kBlock = 2048;
+
+// Sums of NS terms over j in [0, n): term(j, out) writes the NS terms of element j into out[0..NS).
+// Lanes within a block, blocks in double.
+template <typename A, int NS, typename Term>
+inline void row_sums(int64_t n, Term term, double (&total)[NS]) {
+  constexpr int L = kLanes<A>;
+  for (int s = 0; s < NS; ++s) total[s] = 0.0;
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t j1 = std::min(n, j0 + kBlock);
+    A acc[NS][L] = {};
+    int64_t j = j0;
+    for (; j + L <= j1; j += L) {
+      for (int k = 0; k < L; ++k) {
+        A t[NS];
+        term(j + k, t);
+        for (int s = 0; s < NS; ++s) acc[s][k] += t[s];
+      }
+    }
+    for (int s = 0; s < NS; ++s) {
+      A block = A(0);
+      for (int k = 0; k < L; ++k) block += acc[s][k];
+      total[s] += static_cast<double>(block);
+    }
+    for (; j < j1; ++j) {
+      A t[NS];
+      term(j, t);
+      for (int s = 0; s < NS; ++s) total[s] += static_cast<double>(t[s]);
+    }
+  }
+}
+
+// buf[j] = relu(x[j]) as A; returns the sum.
+template <typename T, typename A>
+double relu_into(const T* x, A* buf, int64_t n) {
+  double sum[1];
+  row_sums<A, 1>(n, [&](int64_t j, A* t) {
+    const A v = relu(static_cast<A>(x[j]));
+    buf[j] = v;
+    t[0] = v;
+  }, sum);
+  return sum[0];
+}
+
+template <typename A>
+double sum_sq_dev(const A* buf, int64_t n, A mean) {
+  double sum[1];
+  row_sums<A, 1>(n, [&](int64_t j, A* t) {
+    const A d = buf[j] - mean;
+    t[0] = d * d;
+  }, sum);
+  return sum[0];
+}
+
+template <typename T>
+void forward_typed(const FwdArgs& a) {
+  using A = acc_t<T>;
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  const T* b = static_cast<const T*>(a.b);
+  T* y = static_cast<T*>(a.y);
+  A* mean_out = static_cast<A*>(a.mean);
+  A* rstd_out = static_cast<A*>(a.rstd);
+  const int64_t n = a.hidden;
+  const double eps = a.eps;
+
+  at::parallel_for(0, a.rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+    std::vector<A> buf(n);
+    // The weight and bias as A, once per task rather than once per element and row.
+    std::vector<A> wa(w != nullptr ? n : 0), ba(b != nullptr ? n : 0);
+    for (int64_t j = 0; j < static_cast<int64_t>(wa.size()); ++j) wa[j] = static_cast<A>(w[j]);
+    for (int64_t j = 0; j < static_cast<int64_t>(ba.size()); ++j) ba[j] = static_cast<A>(b[j]);
+    for (int64_t r = r0; r < r1; ++r) {
+      const A mean = static_cast<A>(relu_into(x + r * n, buf.data(), n) / double(n));
+      const double var = sum_sq_dev(buf.data(), n, mean) / double(n);
+      const A rstd = static_cast<A>(1.0 / std::sqrt(var + eps));
+      mean_out[r] = mean;
+      rstd_out[r] = rstd;
+      T* yr = y + r * n;
+      const A* v = buf.data();
+      if (w != nullptr && b != nullptr) {
+        for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<T>((v[j] - mean) * rstd * wa[j] + ba[j]);
+      } else if (w != nullptr) {
+        for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<T>((v[j] - mean) * rstd * wa[j]);
+      } else if (b != nullptr) {
+        for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<T>((v[j] - mean) * rstd + ba[j]);
+      } else {
+        for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<T>((v[j] - mean) * rstd);
+      }
+    }
+  });
+}
+
+// One row of the backward. g = dy * w, xhat = (relu(x) - mean) * rstd:
+//   dx = [x > 0] * rstd * (g - (xhat * mean(g * xhat) + mean(g)))
+// and, when pdw is not null, pdw += dy * xhat, pdb += dy. The second pass re-reads the row from cache.
+template <typename T, typename A>
+void backward_row(const T* x, const T* dy, const A* wa, A mean, A rstd, T* dx, A* pdw, A* pdb, int64_t n) {
+  auto grad_out = [&](int64_t j) { return wa != nullptr ? static_cast<A>(dy[j]) * wa[j] : static_cast<A>(dy[j]); };
+  double sums[2];
+  row_sums<A, 2>(n, [&](int64_t j, A* t) {
+    const A xh = (relu(static_cast<A>(x[j])) - mean) * rstd;
+    const A g = grad_out(j);
+    t[0] = g * xh;
+    t[1] = g;
+  }, sums);
+  const A c1 = static_cast<A>(sums[0] / double(n)), c2 = static_cast<A>(sums[1] / double(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const A xv = static_cast<A>(x[i]);
+    const A xh = (relu(xv) - mean) * rstd;
+    const A d = rstd * (grad_out(i) - (xh * c1 + c2));
+    // relu's gradient, as threshold_backward: zero where x <= 0.
+    dx[i] = static_cast<T>(xv <= A(0) ? A(0) : d);
+    if (pdw != nullptr) {
+      pdw[i] += static_cast<A>(dy[i]) * xh;
+      pdb[i] += static_cast<A>(dy[i]);
+    }
+  }
+}
+
+template <typename T>
+void backward_typed(const BwdArgs& a) {
+  using A = acc_t<T>;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* w = static_cast<const T*>(a.w);
+  const A* mean = static_cast<const A*>(a.mean);
+  const A* rstd = static_cast<const A*>(a.rstd);
+  T* dx = static_cast<T*>(a.dx);
+  const int64_t n = a.hidden;
+  const bool affine = a.dw != nullptr;
+
+  std::vector<A> wa(w != nullptr ? n : 0);
+  for (int64_t j = 0; j < static_cast<int64_t>(wa.size()); ++j) wa[j] = static_cast<A>(w[j]);
+  const A* wp = w != nullptr ? wa.data() : nullptr;
+
+  // A fixed split of the rows into chunks, one partial dw/db row each, summed in chunk order below:
+  // the result does not depend on how the thread pool schedules the chunks.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.rows, at::get_num_threads()));
+  const int64_t per_chunk = (a.rows + chunks - 1) / chunks;
+  std::vector<A> part(affine ? 2 * chunks * n : 0, A(0));
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      A* pdw = affine ? part.data() + (2 * c) * n : nullptr;
+      A* pdb = affine ? part.data() + (2 * c + 1) * n : nullptr;
+      const int64_t r_end = std::min(a.rows, (c + 1) * per_chunk);
+      for (int64_t r = c * per_chunk; r < r_end; ++r) {
+        backward_row(x + r * n, dy + r * n, wp, mean[r], rstd[r], dx + r * n, pdw, pdb, n);
+      }
+    }
+  });
+  if (!affine) return;
+  T* dw = static_cast<T*>(a.dw);
+  T* db = static_cast<T*>(a.db);
+  at::parallel_for(0, n, 4096, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      A sw = A(0), sb = A(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        sw += part[(2 * c) * n + j];
+        sb += part[(2 * c + 1) * n + j];
+      }
+      dw[j] = static_cast<T>(sw);
+      db[j] = static_cast<T>(sb);
+    }
+  });
+}
+
+}  // namespace
+
+void forward_cpu(const FwdArgs& args) {
+  switch (args.dtype) {
+    case DType::Float32: return forward_typed<float>(args);
+    case DType::Float16: return forward_typed<c10::Half>(args);
+    case DType::BFloat16: return forward_typed<c10::BFloat16>(args);
+    case DType::Float64: return forward_typed<double>(args);
+  }
+}
+
+void backward_cpu(const BwdArgs& args) {
+  switch (args.dtype) {
+    case DType::Float32: return backward_typed<float>(args);
+    case DType::Float16: return backward_typed<c10::Half>(args);
+    case DType::BFloat16: return backward_typed<c10::BFloat16>(args);
+    case DType::Float64: return backward_typed<double>(args);
+  }
+}
+
+}  // namespace opb::fused_relu_layernorm

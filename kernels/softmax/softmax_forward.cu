@@ -1,0 +1,73 @@
+// softmax forward launcher: dtype and vector-width dispatch, then the plan's kernel.
+#include "softmax_kernel.cuh"
+#include "softmax_launch.cuh"
+
+namespace opb::softmax {
+namespace {
+
+template <typename T, int N>
+cudaError_t forward_typed(const Problem& p, const Plan& plan, const T* x, T* y, void* workspace,
+                          cudaStream_t stream) {
+  using Acc = typename AccOf<T>::type;
+  switch (plan.path) {
+    case Path::Warp:
+      if constexpr (std::is_same_v<T, double>) {
+        return cudaErrorInvalidValue;
+      } else {
+        return with_warp_vpt(plan.vpt, [&](auto vpt) {
+          const int64_t blocks = (p.rows + kWarpPathThreads / plan.threads - 1) / (kWarpPathThreads / plan.threads);
+          return launch(forward_warp_kernel<T, N, decltype(vpt)::value>, blocks, kWarpPathThreads, 1, stream, x, y,
+                        p.rows, p.cols, plan.threads);
+        });
+      }
+    case Path::Block:
+      return with_vpt(plan.vpt, [&](auto vpt) {
+        constexpr int kVpt = decltype(vpt)::value;
+        const int64_t blocks = p.rows * plan.cluster;
+        if (plan.threads <= 256)
+          return launch(forward_block_kernel<T, N, kVpt, 256>, blocks, plan.threads, plan.cluster, stream, x, y,
+                        p.cols);
+        if constexpr (kVpt == kBigVptForward)
+          return launch(forward_block_kernel<T, N, kVpt, 1024>, blocks, plan.threads, plan.cluster, stream, x, y,
+                        p.cols);
+        return cudaErrorInvalidValue;
+      });
+    case Path::Split: {
+      if (plan.vpt != kSplitVpt) return cudaErrorInvalidValue;
+      const int64_t splits = split_count(plan, p);
+      auto* partials = static_cast<MaxSum<Acc>*>(workspace);
+      cudaError_t err = launch(forward_split_partial_kernel<T, N, kSplitVpt>, p.rows * splits, plan.threads, 1, stream,
+                               x, partials, p.cols, splits);
+      if (err != cudaSuccess) return err;
+      return launch(forward_split_finish_kernel<T, N, kSplitVpt>, p.rows * splits, plan.threads, 1, stream, x, y,
+                    static_cast<const MaxSum<Acc>*>(partials), p.cols, splits);
+    }
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t forward_vec(const Problem& p, const Plan& plan, const void* x, void* y, void* workspace,
+                        cudaStream_t stream) {
+  const T* xt = static_cast<const T*>(x);
+  T* yt = static_cast<T*>(y);
+  if (p.vectorized) return forward_typed<T, 16 / sizeof(T)>(p, plan, xt, yt, workspace, stream);
+  return forward_typed<T, 1>(p, plan, xt, yt, workspace, stream);
+}
+
+}  // namespace
+
+cudaError_t forward(const Problem& p, const Plan& plan, const void* x, void* y, void* workspace,
+                    cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  if (plan_error(plan, p) != nullptr) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::Float32: return forward_vec<float>(p, plan, x, y, workspace, stream);
+    case DType::Float16: return forward_vec<__half>(p, plan, x, y, workspace, stream);
+    case DType::BFloat16: return forward_vec<__nv_bfloat16>(p, plan, x, y, workspace, stream);
+    case DType::Float64: return forward_vec<double>(p, plan, x, y, workspace, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace opb::softmax

@@ -1,0 +1,255 @@
+"""The ``opbuilder`` command: report, build, clean, new, bench.
+
+Each subcommand imports what it needs when it runs, so ``opbuilder --help`` imports no torch.
+Exit codes: 0 success, 1 a build or an op failed, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+USAGE_ERROR = 2
+_KEY = re.compile(r"[0-9a-f]{20}")  # fingerprint.cache_key's form
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opbuilder",
+        description="Build C++/CUDA ops for PyTorch on first use, into a content-addressed cache.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    report = sub.add_parser("report", help="what works on this machine and why not; what the cache holds")
+    report.add_argument("--json", action="store_true", help="print JSON for tools")
+
+    build = sub.add_parser("build", help="compile ops into the cache now (a container step, or once per node)")
+    build.add_argument("ops", nargs="*", metavar="OP", help="built-in ops to build")
+    build.add_argument("--all", action="store_true", help="every built-in op that can be built here")
+    build.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                       help="ops built at once (default: by the cores; each build also compiles in parallel)")
+
+    clean = sub.add_parser("clean", help="remove cached builds (never one another process is building)")
+    clean.add_argument("ops", nargs="*", metavar="OP", help="ops to clean (default: every op in the cache)")
+    clean.add_argument("--stale", action="store_true",
+                       help="only builds that can no longer load here (another torch, Python, compiler, CPU, sources)")
+
+    new = sub.add_parser("new", help="write a working skeleton of your own op (builder, kernels, binding, test)")
+    new.add_argument("name", metavar="NAME", help="the op's name, lower_snake_case")
+    new.add_argument("--cuda", action="store_true", help="add a CUDA kernel beside the CPU one")
+    new.add_argument("--dir", default=".", type=Path, help="folder to write NAME/ into (default: here)")
+
+    sub.add_parser("bench", help="benchmark the ops (arguments go to `opbuilder bench --help`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every argument, --help included, belongs to the bench tool
+        return _bench(argv[1:])
+    args = _parser().parse_args(argv)
+    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new}
+    from opbuilder.errors import OpBuilderError
+
+    try:
+        return handlers[args.command](args)
+    except (OpBuilderError, ValueError) as exc:  # an unusable cache, a bad TORCH_CUDA_ARCH_LIST, ...
+        _err(f"opbuilder {args.command}: {exc}")
+        return 1
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from opbuilder import report
+
+    data = report.collect()
+    print(json.dumps(data, indent=1) if args.json else report.render(data))
+    return 0
+
+
+# ---- build -------------------------------------------------------------------------------------
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _build(args: argparse.Namespace) -> int:
+    from opbuilder import registry
+
+    if not args.ops and not args.all:
+        _err("opbuilder build: name the ops to build, or pass --all; known ops: " + ", ".join(registry.names()))
+        return USAGE_ERROR
+    if args.jobs is not None and args.jobs < 1:
+        _err(f"opbuilder build: --jobs must be >= 1, got {args.jobs}")
+        return USAGE_ERROR
+    names = list(dict.fromkeys(args.ops)) or registry.names()
+    unknown = [name for name in names if name not in registry.BUILDERS]
+    if unknown:
+        _err(f"opbuilder build: no built-in op named {', '.join(unknown)}; known ops: {', '.join(registry.names())}")
+        return USAGE_ERROR
+
+    # An op named on the command line that cannot be built here fails the command; under --all it
+    # is skipped with its reason.
+    todo, failed = [], []
+    for name in names:
+        try:
+            builder = registry.get_builder(name)
+        except Exception as exc:  # a broken builder is reported; the others still build
+            builder, reasons = None, [f"its builder failed to import: {type(exc).__name__}: {exc}"]
+        else:
+            reasons = builder.incompatibility_reasons()
+        if builder is not None and not reasons:
+            todo.append(builder)
+        elif args.ops:
+            _err(f"{name}: cannot be built here: " + "; ".join(reasons))
+            failed.append(name)
+        else:
+            print(f"{name}: skipped: " + "; ".join(reasons), flush=True)
+    if todo:
+        failed += _build_all(todo, args.jobs or max(1, min(len(todo), _cores() // 2)))
+    if failed:
+        _err(f"opbuilder build: failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def _build_all(builders: list, jobs: int) -> list[str]:
+    """Build into the cache, ``jobs`` ops at a time, one line per op as it ends; returns the ops
+    that failed, after printing their compiler errors."""
+    from opbuilder.warm import prepare_each
+
+    if len(builders) > 1:
+        print(f"building {len(builders)} ops, {min(jobs, len(builders))} at a time", flush=True)
+    failed = []
+    for done, (name, outcome) in enumerate(prepare_each(builders, jobs), 1):
+        if isinstance(outcome, BaseException):
+            print(f"[{done}/{len(builders)}] {name}: FAILED", flush=True)
+            _err(str(outcome))
+            failed.append(name)
+        else:
+            print(f"[{done}/{len(builders)}] {name}: {outcome}", flush=True)
+    return failed
+
+
+# ---- clean -------------------------------------------------------------------------------------
+
+
+def _clean(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from filelock import FileLock, Timeout
+
+    from opbuilder import cache, env, prebuilt, registry, report
+
+    root = env.cache_root()
+    ops = list(dict.fromkeys(args.ops)) or report.cached_ops(root)
+    here = prebuilt.torch_environment() if args.stale else {}
+    removed = kept = busy = 0
+    freed = 0
+    for op in ops:
+        op_dir = root / op
+        if not op_dir.is_dir():
+            print(f"{op}: nothing in the cache")
+            continue
+        builder = None
+        if args.stale and op in registry.BUILDERS:
+            try:
+                builder = registry.get_builder(op)
+            except Exception as exc:
+                _err(f"{op}: its builder failed to import ({type(exc).__name__}: {exc}); judging by environment only")
+        keys = {p.name for p in report.cached_keys(op_dir)}
+        if not args.stale:  # failures and leftover temporary folders of keys with no build go too
+            keys |= {p.name.split(".")[0] for p in op_dir.glob("*.failed.json")}
+            keys |= {p.name[len(cache.TMP_PREFIX):].split("-")[0] for p in op_dir.glob(f"{cache.TMP_PREFIX}*-*") if p.is_dir()}
+        for key in sorted(k for k in keys if _KEY.fullmatch(k)):  # anything else in the folder is not ours
+            slot = cache.Slot(op, key)
+            why = None
+            if args.stale:
+                why = report.stale_reason(cache.read_manifest(slot.path), builder, here)
+                if why is None:
+                    kept += 1
+                    continue
+            if slot.lock_path.is_symlink():  # never open a lock through a link (cache.refuse_symlink)
+                _err(f"{op}/{key}: skipped, its lock {slot.lock_path} is a symbolic link")
+                busy += 1
+                continue
+            lock = FileLock(str(slot.lock_path))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                print(f"{op}/{key}: skipped, another process is building it")
+                busy += 1
+                continue
+            try:
+                size = report.tree_size(slot.path) if slot.path.exists() else 0
+                if slot.path.exists():
+                    # Out of sight in one rename, then deleted: a reader sees a whole build or none.
+                    trash = Path(tempfile.mkdtemp(prefix=f"{cache.TMP_PREFIX}{key}-clean-", dir=op_dir))
+                    os.rename(slot.path, trash / "old")
+                cache.remove_stray_tmp_dirs(slot)  # the trash too: its name starts with the key
+                for path in (slot.failure_path, op_dir / f"{key}.failed.log"):
+                    if path.exists():
+                        size += path.stat().st_size
+                        path.unlink()
+            finally:
+                lock.release()
+            removed += 1
+            freed += size
+            print(f"{op}/{key}: removed ({report.human(size)})" + (f": {why}" if why else ""))
+    summary = f"removed {removed} build(s), {report.human(freed)}"
+    if args.stale:
+        summary += f"; kept {kept} current"
+    if busy:
+        summary += f"; skipped {busy} being built"
+    print(summary)
+    return 0
+
+
+# ---- new ---------------------------------------------------------------------------------------
+
+
+def _new(args: argparse.Namespace) -> int:
+    from opbuilder import scaffold
+
+    try:
+        written = scaffold.create(args.name, args.dir, cuda=args.cuda)
+    except (ValueError, FileExistsError) as exc:
+        _err(str(exc))
+        return USAGE_ERROR
+    root = Path(args.dir) / args.name
+    print(f"wrote {root}/ ({'CPU and CUDA' if args.cuda else 'CPU'}):")
+    for path in written:
+        print(f"  {path.relative_to(args.dir)}")
+    cd = "" if Path(args.dir) == Path(".") else f"cd {args.dir} && "
+    print(
+        f"\nnext:\n  {cd}python -m pytest {args.name}/test_{args.name}.py -q    # the first test builds the op\n"
+        f"  then replace the computation in {args.name}/csrc/ and keep {args.name}/ops.py's fake and backward in step"
+    )
+    return 0
+
+
+# ---- bench -------------------------------------------------------------------------------------
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        from opbuilder import bench
+    except ImportError as exc:
+        _err(f"opbuilder bench is not available in this installation: {exc}")
+        return USAGE_ERROR
+    return int(bench.main(argv) or 0)

@@ -1,0 +1,212 @@
+"""fused_add_rmsnorm: ``h = input + residual; out = h * rsqrt(mean(h^2, -1) + eps) * weight``, returning
+``(out, h)``, on CPU and CUDA, with autograd (a C++ backward op) and torch.compile support; and
+``rms_norm``, the same norm without a residual.
+
+Numerics: h is rounded to the input dtype (it *is* ``residual_out``) and the norm is taken of that
+rounded h, with fp32 accumulation (fp64 for float64 inputs). So ``out == rms_norm(residual_out)``, as
+in an unfused model that adds in its own dtype and then normalises, and the next layer's residual is
+exactly the tensor that was normalised. Outputs are contiguous, shaped like ``input``.
+
+Backward: ``grad_input == grad_residual`` (one tensor, returned for both), and ``grad_weight``, summed
+over rows in a fixed order (deterministic run to run).
+
+Layers: ``FusedAddRMSNorm`` (Llama-style ``(normed, new_residual) = norm(x, residual)``) and
+``RMSNorm``, with a ``weight`` parameter initialised to ones, as ``torch.nn.RMSNorm``. ``RMSNorm``
+uses the ``rms_norm`` op (no zero residual is read, no residual_out written). The layers follow
+PyTorch on dtypes: a weight of another dtype is cast to the input's, and under CUDA autocast, where
+torch runs ``rms_norm`` in float32, fp16/bf16 inputs are normalised in float32 (the residual add stays in
+the inputs' dtype, as ``x + residual`` would) -- two kernels instead of one. The functions themselves
+take one dtype only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from opbuilder.ops._checks import check_float, check_same
+from opbuilder.lazy import LazyOps
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _register(ns: str) -> None:
+    lib = getattr(torch.ops, ns)
+
+    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm")
+    def _(input, residual, weight, eps):
+        return input.new_empty(input.shape), input.new_empty(input.shape)
+
+    @torch.library.register_fake(f"{ns}::rms_norm")
+    def _(input, weight, eps):
+        return input.new_empty(input.shape)
+
+    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm_backward")
+    def _(grad_out, grad_residual_out, residual_out, weight, eps):
+        return residual_out.new_empty(residual_out.shape), weight.new_empty(weight.shape)
+
+    def setup_fused(ctx, inputs, output) -> None:
+        _, _, weight, eps = inputs
+        ctx.save_for_backward(output[1], weight)
+        ctx.eps = eps
+
+    def backward_fused(ctx, grad_out, grad_residual_out):
+        residual_out, weight = ctx.saved_tensors
+        grad_h, grad_weight = lib.fused_add_rmsnorm_backward.default(
+            grad_out, grad_residual_out, residual_out, weight, ctx.eps
+        )
+        need = ctx.needs_input_grad
+        return (
+            grad_h if need[0] else None,
+            grad_h if need[1] else None,
+            grad_weight if need[2] else None,
+            None,
+        )
+
+    torch.library.register_autograd(f"{ns}::fused_add_rmsnorm", backward_fused, setup_context=setup_fused)
+
+    def setup_rms(ctx, inputs, output) -> None:
+        input, weight, eps = inputs
+        ctx.save_for_backward(input, weight)
+        ctx.eps = eps
+
+    def backward_rms(ctx, grad_out):
+        input, weight = ctx.saved_tensors
+        grad_input, grad_weight = lib.fused_add_rmsnorm_backward.default(grad_out, None, input, weight, ctx.eps)
+        need = ctx.needs_input_grad
+        return grad_input if need[0] else None, grad_weight if need[1] else None, None
+
+    torch.library.register_autograd(f"{ns}::rms_norm", backward_rms, setup_context=setup_rms)
+
+
+_ops = LazyOps("fused_add_rmsnorm", _register)
+
+
+def fused_add_rmsnorm_op() -> torch._ops.OpOverload:
+    """The loaded forward op; builds on first use."""
+    return _ops().fused_add_rmsnorm.default
+
+
+def fused_add_rmsnorm_backward_op() -> torch._ops.OpOverload:
+    """The loaded backward op ``(grad_out, grad_residual_out?, residual_out, weight, eps) -> (grad_input,
+    grad_weight)``; builds on first use."""
+    return _ops().fused_add_rmsnorm_backward.default
+
+
+def rms_norm_op() -> torch._ops.OpOverload:
+    """The loaded residual-free forward op; builds on first use."""
+    return _ops().rms_norm.default
+
+
+# ---- checks -------------------------------------------------------------------------------------------
+
+
+def _check_eps(op: str, eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps}")
+    return float(eps)
+
+
+def _check_input_and_weight(op: str, input: object, weight: object) -> None:
+    check_float(op, "input", input)
+    if input.dim() == 0:
+        raise ValueError(f"{op}: input must have at least 1 dimension ([..., hidden]), got a 0-d tensor")
+    check_float(op, "weight", weight)
+    check_same(op, "input", input, "weight", weight)
+    hidden = input.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != hidden:
+        raise ValueError(f"{op}: weight must have shape [{hidden}] to match input's last dim, got {list(weight.shape)}")
+
+
+# ---- functions ----------------------------------------------------------------------------------------
+
+
+def fused_add_rmsnorm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, residual_out)`` with ``residual_out = input + residual`` (in their dtype) and
+    ``out = residual_out * rsqrt(mean(residual_out^2, -1) + eps) * weight`` (fp32 accumulation).
+
+    input, residual: [..., hidden], one float dtype (float32, float16, bfloat16; float64 too), one device.
+    weight: [hidden], same dtype and device. Non-contiguous inputs are accepted.
+    """
+    op = "fused_add_rmsnorm"
+    _check_input_and_weight(op, input, weight)
+    check_float(op, "residual", residual)
+    check_same(op, "input", input, "residual", residual)
+    if residual.shape != input.shape:
+        raise ValueError(f"{op}: residual must have input's shape {list(input.shape)}, got {list(residual.shape)}")
+    return fused_add_rmsnorm_op()(input, residual, weight, _check_eps(op, eps))
+
+
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``input * rsqrt(mean(input^2, -1) + eps) * weight`` (fp32 accumulation), like
+    ``F.rms_norm(input, (hidden,), weight, eps)``. input: [..., hidden]; weight: [hidden], same dtype."""
+    op = "rms_norm"
+    _check_input_and_weight(op, input, weight)
+    return rms_norm_op()(input, weight, _check_eps(op, eps))
+
+
+# ---- layers -------------------------------------------------------------------------------------------
+
+
+def _autocast_casts_rms_norm(device_type: str) -> bool:
+    """Whether this torch's autocast has a rule for ``aten::rms_norm`` on ``device_type``: the CUDA one
+    lists it among its float32 ops (ATen autocast_mode.h, AT_FORALL_FP32); the CPU one leaves it alone."""
+    key = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}[device_type]
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", key)
+    except (AttributeError, RuntimeError):
+        return device_type == "cuda"
+
+
+_AUTOCAST_FP32 = {device: _autocast_casts_rms_norm(device) for device in ("cpu", "cuda")}
+
+
+def _norm_in_float32(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether torch would run ``rms_norm`` on ``dtype`` inputs in float32 here (autocast on, with a rule)."""
+    device = x.device.type
+    return dtype in _LOW_PRECISION and _AUTOCAST_FP32.get(device, False) and torch.is_autocast_enabled(device)
+
+
+class _NormLayer(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"{type(self).__name__}: hidden_size must be a positive int, got {hidden_size!r}")
+        self.hidden_size = hidden_size
+        self.eps = _check_eps(type(self).__name__, eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class FusedAddRMSNorm(_NormLayer):
+    """``forward(x, residual) -> (normed, new_residual)``: ``new_residual = x + residual`` and
+    ``normed = RMSNorm(new_residual)``, in one pass (the pre-norm decoder step). State: ``weight`` [hidden]."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = torch.promote_types(x.dtype, residual.dtype) if x.is_floating_point() else x.dtype
+        if _norm_in_float32(x, dtype):
+            new_residual = x + residual
+            return rms_norm(new_residual.float(), self.weight.float(), self.eps), new_residual
+        weight = self.weight.to(dtype) if x.is_floating_point() else self.weight
+        return fused_add_rmsnorm(x.to(dtype), residual.to(dtype), weight, self.eps)
+
+
+class RMSNorm(_NormLayer):
+    """``x * rsqrt(mean(x^2, -1) + eps) * weight``, like ``torch.nn.RMSNorm(hidden_size, eps)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _norm_in_float32(x, x.dtype):
+            return rms_norm(x.float(), self.weight.float(), self.eps)
+        weight = self.weight.to(x.dtype) if x.is_floating_point() else self.weight
+        return rms_norm(x, weight, self.eps)

@@ -1,0 +1,189 @@
+"""fused_matmul_add_relu: ``relu(lhs @ rhs + bias)`` in one op, on CPU and CUDA, with autograd and
+torch.compile support, and ``FusedLinearReLU``, a drop-in for ``nn.Linear`` followed by ``nn.ReLU``.
+
+CUDA runs one cuBLASLt matmul whose epilogue adds the bias and applies the ReLU: a vector bias
+through ``CUBLASLT_EPILOGUE_RELU_BIAS``, a bias of the output's shape as cuBLASLt's C matrix
+(``D = relu(A @ B + C)``). fp16/bf16 accumulate in fp32. float32 follows torch's TF32 setting
+(``torch.backends.cuda.matmul.allow_tf32``, read at each call, as torch.mm does). The CPU runs
+ATen's GEMM and one fused bias + ReLU pass. NaN: the CPU keeps it, as torch.relu does; on CUDA it is
+whatever cuBLASLt's ReLU epilogue makes of it (not pinned down by a test).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from opbuilder.ops._checks import check_float, check_same
+from opbuilder.lazy import LazyOps
+
+_OP = "fused_matmul_add_relu"
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _out_shape(lhs_shape: torch.Size, rhs_shape: torch.Size) -> list[int]:
+    """[M, N], or [B, M, N] when either input is batched (a batch of 1 broadcasts)."""
+    m, n = lhs_shape[-2], rhs_shape[-1]
+    if len(lhs_shape) == 2 and len(rhs_shape) == 2:
+        return [m, n]
+    bl = lhs_shape[0] if len(lhs_shape) == 3 else 1
+    br = rhs_shape[0] if len(rhs_shape) == 3 else 1
+    return [br if bl == 1 else bl, m, n]
+
+
+def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``grad`` summed over the dims that were broadcast to make it from ``shape``."""
+    return grad if grad.shape == shape else grad.sum_to_size(shape)
+
+
+def _grad_lhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    return _sum_to(torch.matmul(grad_pre, rhs.mT), lhs.shape)
+
+
+def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    if rhs.dim() == 3 and rhs.shape[0] != 1:
+        return _sum_to(torch.matmul(lhs.mT, grad_pre), rhs.shape)
+    # One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
+    k, n = rhs.shape[-2], rhs.shape[-1]
+    lhs2, grad2 = lhs.reshape(-1, k), grad_pre.reshape(-1, n)
+    if rhs.stride(-2) == 1 and rhs.stride(-1) != 1:
+        # rhs is a transposed view (the layer's weight.t()): a gradient of the same layout is what
+        # accumulates into the weight without a copy.
+        grad = (grad2.mT @ lhs2).mT
+    else:
+        grad = lhs2.mT @ grad2
+    return grad.reshape(rhs.shape)
+
+
+def _register(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::{_OP}")
+    def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
+
+    def setup_context(ctx, inputs, output) -> None:
+        lhs, rhs, bias = inputs
+        ctx.save_for_backward(lhs, rhs, output)
+        ctx.bias_shape = None if bias is None else bias.shape
+
+    def backward(ctx, grad: torch.Tensor):
+        lhs, rhs, out = ctx.saved_tensors
+        # relu's mask from the saved output (out > 0), in one pass, as aten's relu backward does.
+        grad_pre = torch.ops.aten.threshold_backward(grad, out, 0)
+        grad_lhs = _grad_lhs(grad_pre, lhs, rhs) if ctx.needs_input_grad[0] else None
+        grad_rhs = _grad_rhs(grad_pre, lhs, rhs) if ctx.needs_input_grad[1] else None
+        grad_bias = None
+        if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
+            grad_bias = _sum_to(grad_pre, ctx.bias_shape)
+        return grad_lhs, grad_rhs, grad_bias
+
+    torch.library.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
+
+
+_ops = LazyOps(_OP, _register)
+
+
+def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
+    """The loaded Torch op (``torch.ops.opb_fused_matmul_add_relu_<key>.fused_matmul_add_relu.default``)."""
+    return _ops().fused_matmul_add_relu.default
+
+
+def _autocast(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Under torch.autocast, the inputs in autocast's dtype, as torch.matmul would take them."""
+    device = tensors[0].device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return [t.to(dtype) if t is not None and t.dtype in _AUTOCAST_ELIGIBLE else t for t in tensors]
+
+
+def _check_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if lhs.dim() not in (2, 3):
+        raise ValueError(f"{_OP}: lhs must be 2-D [M, K] or 3-D [B, M, K], got shape {list(lhs.shape)}")
+    if rhs.dim() not in (2, 3):
+        raise ValueError(f"{_OP}: rhs must be 2-D [K, N] or 3-D [B, K, N], got shape {list(rhs.shape)}")
+    k = lhs.shape[-1]
+    if rhs.shape[-2] != k:
+        raise ValueError(
+            f"{_OP}: rhs must have K={k} rows to match lhs's last dim, got {rhs.shape[-2]} (rhs shape {list(rhs.shape)})"
+        )
+    bl = lhs.shape[0] if lhs.dim() == 3 else 1
+    br = rhs.shape[0] if rhs.dim() == 3 else 1
+    if bl != br and bl != 1 and br != 1:
+        raise ValueError(f"{_OP}: the batch dims of lhs and rhs must be equal or 1, got {bl} (lhs) and {br} (rhs)")
+    if bias is not None:
+        out = _out_shape(lhs.shape, rhs.shape)
+        ok = bias.dim() <= len(out) and all(b in (o, 1) for b, o in zip(reversed(bias.shape), reversed(out)))
+        if not ok:
+            raise ValueError(
+                f"{_OP}: bias must broadcast to the output's shape {out} (e.g. [N]=[{out[-1]}], [M, N] or the "
+                f"full shape), got {list(bias.shape)}"
+            )
+
+
+def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``relu(lhs @ rhs + bias)``.
+
+    lhs: [M, K] or [B, M, K]; rhs: [K, N] or [B, K, N] (batch dims equal, or 1 to broadcast);
+    bias: broadcastable to the output [M, N] / [B, M, N] ([N] is the common case), or None.
+    float32/float16/bfloat16 (float64 too, for gradcheck), all on one device. Returns a new contiguous
+    tensor; transposed views (e.g. ``weight.t()``) are read in place on CUDA.
+    """
+    check_float(_OP, "lhs", lhs)
+    check_float(_OP, "rhs", rhs)
+    if bias is not None:
+        check_float(_OP, "bias", bias)
+    lhs, rhs, bias = _autocast([lhs, rhs, bias])
+    check_same(_OP, "lhs", lhs, "rhs", rhs)
+    if bias is not None:
+        check_same(_OP, "lhs", lhs, "bias", bias)
+    _check_shapes(lhs, rhs, bias)
+    return fused_matmul_add_relu_op()(lhs, rhs, bias)
+
+
+class FusedLinearReLU(nn.Module):
+    """``relu(x @ weight.T + bias)``: a drop-in for ``nn.Sequential(nn.Linear(...), nn.ReLU())``.
+
+    Same initialisation as ``nn.Linear`` (same random draws for the same seed) and the same
+    state_dict keys: ``weight`` [out_features, in_features], ``bias`` [out_features].
+    x: [..., in_features] -> [..., out_features].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's: kaiming_uniform(a=sqrt(5)) gives U(-1/sqrt(in), 1/sqrt(in)); the bias the same bound.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_float("FusedLinearReLU", "x", x)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"FusedLinearReLU: x must have in_features={self.in_features} as its last dim, got shape {list(x.shape)}"
+            )
+        y = fused_matmul_add_relu(x.reshape(-1, self.in_features), self.weight.t(), self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,160 @@
+"""fused_relu_layernorm: ``layer_norm(relu(x), weight, bias, eps)`` over the last dim, in one pass, on
+CPU and CUDA, with a fused C++ backward, autograd and torch.compile support."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from opbuilder.ops._checks import check_float, check_same, check_tensor
+from opbuilder.lazy import LazyOps
+
+_OP = "fused_relu_layernorm"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _register(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::fused_relu_layernorm")
+    def _(x, weight, bias, eps):
+        stats = x.shape[:-1]
+        return (
+            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(stats, dtype=_stats_dtype(x), device=x.device),
+            torch.empty(stats, dtype=_stats_dtype(x), device=x.device),
+        )
+
+    @torch.library.register_fake(f"{ns}::fused_relu_layernorm_backward")
+    def _(grad_y, x, weight, mean, rstd, affine_grads):
+        n = x.shape[-1] if affine_grads else 0
+        return (
+            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty((n,), dtype=x.dtype, device=x.device),
+            torch.empty((n,), dtype=x.dtype, device=x.device),
+        )
+
+    backward_op = getattr(getattr(torch.ops, ns), "fused_relu_layernorm_backward").default
+
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, _bias, _eps = inputs
+        _y, mean, rstd = output
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.mark_non_differentiable(mean, rstd)
+
+    def backward(ctx, grad_y, _grad_mean, _grad_rstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_x, grad_w, grad_b = backward_op(grad_y, x, weight, mean, rstd, need_w or need_b)
+        return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
+
+    torch.library.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
+
+
+_ops = LazyOps(_OP, _register)
+
+
+def fused_relu_layernorm_op() -> torch._ops.OpOverload:
+    """The loaded forward op, ``(x, weight?, bias?, eps) -> (y, mean, rstd)``; builds on first use."""
+    return _ops().fused_relu_layernorm.default
+
+
+def fused_relu_layernorm_backward_op() -> torch._ops.OpOverload:
+    """The loaded backward op, ``(grad_y, x, weight?, mean, rstd, affine_grads) -> (grad_x, grad_w, grad_b)``."""
+    return _ops().fused_relu_layernorm_backward.default
+
+
+def _check_param(arg: str, value: object, x: torch.Tensor) -> torch.Tensor | None:
+    if value is None:
+        return None
+    t = check_tensor(_OP, arg, value)
+    check_same(_OP, "x", x, arg, t)
+    if t.shape != x.shape[-1:]:
+        raise ValueError(f"{_OP}: {arg} must have shape [{x.shape[-1]}] to match x's last dim, got {list(t.shape)}")
+    return t
+
+
+def _autocast(x: torch.Tensor, weight, bias):
+    """Inputs and output dtype as ``nn.LayerNorm(relu(x))`` would have them under autocast.
+
+    CUDA autocast runs layer_norm in float32 (its float32 list): float16/bfloat16 inputs are cast up and
+    the output is float32. CPU autocast leaves layer_norm alone, whose mixed-dtype kernel computes with
+    float32 weights and returns x's dtype: we compute in float32 and cast back. Returns
+    (x, weight, bias, dtype to cast y to or None).
+    """
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias, None
+
+    def up(t):
+        return t.float() if t is not None and t.dtype in _LOW_PRECISION else t
+
+    if device == "cpu":
+        if all(t is None or t.dtype == x.dtype for t in (weight, bias)):
+            return x, weight, bias, None
+        return up(x), up(weight), up(bias), x.dtype
+    return up(x), up(weight), up(bias), None
+
+
+def fused_relu_layernorm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """``layer_norm(relu(x), [hidden], weight, bias, eps)`` over x's last dim (hidden).
+
+    x: [..., hidden], float32/float16/bfloat16 (float64 too), CPU or CUDA, any strides.
+    weight, bias: [hidden] of x's dtype and device, or None. Statistics are accumulated in float32
+    (float64 for float64 x). Returns y of x's shape and dtype (contiguous).
+    """
+    check_float(_OP, "x", x)
+    if x.dim() == 0:
+        raise ValueError(f"{_OP}: x must have at least 1 dimension (the normalized one), got a 0-d tensor")
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"{_OP}: eps must be a float, got {type(eps).__name__}")
+    x, weight, bias, out_dtype = _autocast(x, weight, bias)
+    weight = _check_param("weight", weight, x)
+    bias = _check_param("bias", bias, x)
+    # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
+    y, _mean, _rstd = fused_relu_layernorm_op()(x.contiguous(), weight, bias, float(eps))
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+class FusedReLULayerNorm(nn.Module):
+    """``nn.LayerNorm(hidden_size)`` applied to ``relu(x)``, fused; same parameters and state_dict keys
+    (``weight``, ``bias``; none when ``elementwise_affine=False``)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(hidden_size, numbers.Integral) or isinstance(hidden_size, bool) or hidden_size < 0:
+            raise ValueError(f"FusedReLULayerNorm: hidden_size must be a non-negative int, got {hidden_size!r}")
+        self.hidden_size = int(hidden_size)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_relu_layernorm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

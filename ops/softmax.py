@@ -1,0 +1,126 @@
+"""softmax: ``exp(x - max) / sum(exp(x - max))`` over one dim, on CPU and CUDA, with autograd (double
+backward too) and torch.compile support.
+
+The C++ ops work on the last dim of a contiguous ``[rows, cols]`` view; another ``dim`` is moved last
+here and moved back, so the result is then a permuted view of a contiguous tensor. Numerically stable
+for any row length; a row holding NaN, or +inf, or only -inf, gives NaN as torch.softmax does.
+float32/float16/bfloat16 accumulate in float32 and return the input dtype; float64 runs in float64.
+Under CUDA autocast the op runs in float32, as torch.softmax does.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import nn
+
+from opbuilder.ops._checks import check_float
+from opbuilder.lazy import LazyOps
+
+_OP = "softmax"
+
+
+def _register(ns: str) -> None:
+    ops = getattr(torch.ops, ns)
+
+    @torch.library.register_fake(f"{ns}::forward")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake(f"{ns}::backward")
+    def _(y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
+        return torch.empty(y.shape, dtype=y.dtype, device=y.device)
+
+    def forward_setup(ctx, inputs, output) -> None:
+        ctx.save_for_backward(output)
+
+    def forward_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return ops.backward(y, grad.to(y.dtype))
+
+    torch.library.register_autograd(f"{ns}::forward", forward_backward, setup_context=forward_setup)
+
+    # Double backward. grad_x = y * (g - s), s = sum(g * y). For an upstream v:
+    #   d/dg = y * (v - sum(v * y)) = backward(y, v);  d/dy = v * (g - s) - g * sum(v * y).
+    def backward_setup(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    def backward_backward(ctx, v: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        y, g = ctx.saved_tensors
+        v = v.to(y.dtype)
+        grad_g = ops.backward(y, v) if ctx.needs_input_grad[1] else None
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+            y32, g32, v32 = y.to(acc), g.to(acc), v.to(acc)
+            s = (g32 * y32).sum(-1, keepdim=True)
+            grad_y = (v32 * (g32 - s) - g32 * (v32 * y32).sum(-1, keepdim=True)).to(y.dtype)
+        return grad_y, grad_g
+
+    torch.library.register_autograd(f"{ns}::backward", backward_backward, setup_context=backward_setup)
+
+    # torch.softmax runs in float32 under CUDA autocast (float64 kept); so does this op.
+    torch.library.register_autocast(f"{ns}::forward", "cuda", torch.float32)
+
+
+_ops = LazyOps(_OP, _register)
+
+
+def namespace():
+    """The loaded ``torch.ops`` namespace (``forward``, ``backward``, and the CUDA-only ``default_plan``,
+    ``forward_with_plan``, ``backward_with_plan`` used by tests and tuning); builds on first use."""
+    return _ops()
+
+
+def forward_op() -> torch._ops.OpOverload:
+    """``forward(Tensor x) -> Tensor``: softmax over the last dim."""
+    return _ops().forward.default
+
+
+def backward_op() -> torch._ops.OpOverload:
+    """``backward(Tensor y, Tensor grad_y) -> Tensor``: ``y * (grad_y - sum(grad_y * y, -1))``."""
+    return _ops().backward.default
+
+
+def _check_dim(x: torch.Tensor, dim: object) -> int:
+    """``dim`` as a non-negative index into ``x``'s dims (a 0-d tensor takes -1 or 0, as in torch)."""
+    if isinstance(dim, bool):
+        raise TypeError(f"{_OP}: dim must be an int, got bool")
+    try:
+        index = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"{_OP}: dim must be an int, got {type(dim).__name__}") from None
+    ndim = max(x.dim(), 1)
+    if not -ndim <= index < ndim:
+        raise ValueError(
+            f"{_OP}: dim must be in [{-ndim}, {ndim - 1}] for x of shape {tuple(x.shape)}, got {index}"
+        )
+    return index % ndim
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.softmax(x, dim)``. x: any shape (0-d gives 1, or NaN for NaN/inf, as torch does),
+    float32/float16/bfloat16/float64, CPU or CUDA; the result has x's dtype and shape."""
+    check_float(_OP, "x", x)
+    dim = _check_dim(x, dim)
+    op = forward_op()
+    if x.dim() == 0:
+        return op(x.reshape(1)).reshape(())
+    if dim == x.dim() - 1:
+        return op(x)
+    return op(x.movedim(dim, -1)).movedim(-1, dim)
+
+
+class Softmax(nn.Module):
+    """Drop-in for ``torch.nn.Softmax(dim)``, with dim defaulting to the last."""
+
+    def __init__(self, dim: int = -1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return softmax(x, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
