@@ -3,9 +3,9 @@
 from opbuilder.builder import OpBuilder
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, UnknownOpError
 from opbuilder.registry import get_builder
-from opbuilder.warm import prepare
 
 __version__ = "0.1.0"
+
 
 __all__ = [
     "BuildError",
@@ -18,3 +18,11 @@ __all__ = [
     "prepare",
     "__version__",
 ]
+
+
+def __getattr__(name: str):  # prepare() pulls in the build machinery: imported when first used
+    if name == "prepare":
+        from opbuilder.warm import prepare
+
+        return prepare
+    raise AttributeError(f"module 'opbuilder' has no attribute {name!r}")

@@ -49,26 +49,6 @@ def _say(message: str) -> None:
     print(f"opbuilder: {message}", file=sys.stderr, flush=True)
 
 
-def load_cached(spec: BuildSpec) -> tuple[Any | None, str | None]:
-    """(the loaded op, None) when a good build of this key is in the cache; else (None, the build id
-    of a build that is there but does not load, or None). Never builds, never locks.
-
-    Raises CacheError when the build is there but not safe to load (see ``cache.check_trusted``).
-    """
-    handle = loader.loaded(spec.op, spec.key)
-    if handle is not None:
-        return handle, None
-    slot = cache.Slot(spec.op, spec.key)
-    artifact, manifest, _why = cache.check_build(slot.path)
-    if artifact is None or manifest is None:
-        return None, None
-    cache.check_trusted(slot, artifact)
-    try:
-        return loader.load_artifact(spec.op, spec.key, artifact, manifest), None
-    except (OSError, ImportError):
-        return None, str(manifest.get("build_id"))
-
-
 def build_and_load(spec: BuildSpec) -> Any:
     """Return the loaded op, building it first when the cache has no good build of its key.
 
@@ -76,7 +56,7 @@ def build_and_load(spec: BuildSpec) -> Any:
     process holds the key's lock past OPB_LOCK_TIMEOUT, BuildError when the compile fails (here or in
     the process we waited for).
     """
-    handle, unloadable = load_cached(spec)
+    handle, unloadable = loader.load_cached(spec.op, spec.key)
     if handle is not None:
         return handle
     build_dir = ensure_built(spec, reject_build_id=unloadable)

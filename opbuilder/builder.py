@@ -7,13 +7,17 @@ A subclass declares (``NAME``, ``sources()``, maybe ``include_paths()``, ``cxx_a
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opbuilder import build, env, fingerprint, toolchain
+from opbuilder import env, fingerprint, loader, toolchain
 from opbuilder.errors import IncompatibleOpError
+
+if TYPE_CHECKING:
+    from opbuilder.build import BuildSpec
 
 log = logging.getLogger("opbuilder")
 
@@ -22,6 +26,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = PACKAGE_DIR / "include"
 #: Sources of the built-in ops: inside the package when installed as a wheel, beside it in a checkout.
 KERNELS_DIR = next((p for p in (PACKAGE_DIR / "kernels", PACKAGE_DIR.parent / "kernels") if p.is_dir()), PACKAGE_DIR / "kernels")
+
+#: Built-in ops compiled at install time (see ``opbuilder.prebuilt``).
+PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 
 CUDA_SUFFIXES = (".cu",)
 
@@ -93,10 +100,15 @@ class OpBuilder:
         return toolchain.cuda_archs()
 
     def _resolve(self, paths: list[str]) -> list[Path]:
-        root = self.source_root()
-        return [(root / p).resolve() for p in paths]
+        root = str(self.source_root())
+        return [Path(os.path.realpath(os.path.join(root, p))) for p in paths]
 
     def all_sources(self) -> list[Path]:
+        """``sources()`` as absolute paths, worked out once per builder object."""
+        return self._all_sources
+
+    @cached_property
+    def _all_sources(self) -> list[Path]:
         return self._resolve(self.sources())
 
     def cuda_skip_reason(self) -> str | None:
@@ -167,10 +179,6 @@ class OpBuilder:
 
     @cached_property
     def _key_inputs(self) -> dict[str, Any]:
-        import sysconfig
-
-        import torch
-
         with_cuda = self.with_cuda()
         sources = [p for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
         include_dirs = self._include_dirs()
@@ -185,12 +193,7 @@ class OpBuilder:
             "nvcc_args": self.final_nvcc_args() if with_cuda else [],
             "ldflags": self.extra_ldflags(),
             "python_module": self.is_python_module(),
-            "torch": torch.__version__,
-            "torch_git": torch.version.git_version,
-            "torch_cuda": torch.version.cuda,
-            "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
-            "python": sys.implementation.cache_tag,
-            "soabi": sysconfig.get_config_var("SOABI"),
+            **toolchain.torch_environment(),
             "cxx": toolchain.compiler_identity(cxx) if cxx else None,
             "nvcc": toolchain.compiler_identity(nvcc) if nvcc else None,
             "cuda_archs": self.cuda_archs() if with_cuda else [],
@@ -205,7 +208,9 @@ class OpBuilder:
     def namespace(self) -> str:
         return f"opb_{self.name}_{self.key[:12]}"
 
-    def build_spec(self) -> build.BuildSpec:
+    def build_spec(self) -> BuildSpec:
+        from opbuilder import build
+
         inputs = self.key_inputs()
         with_cuda = bool(inputs["nvcc_args"])
         ns_flag = f"-DOPB_NAMESPACE={self.namespace}"
@@ -234,9 +239,13 @@ class OpBuilder:
 
         Raises IncompatibleOpError, BuildError, CacheLockTimeout or CacheError, each saying why.
         """
-        from opbuilder import prebuilt
+        if (PREBUILT_DIR / self.name).is_dir():  # the stat keeps the warm path free of the prebuilt module
+            from opbuilder import prebuilt
 
-        handle = prebuilt.load(self)
+            handle = prebuilt.load(self)
+            if handle is not None:
+                return handle
+        handle, _ = loader.load_cached(self.name, self.key)
         if handle is not None:
             return handle
         reasons = self.incompatibility_reasons()
@@ -244,6 +253,8 @@ class OpBuilder:
             raise IncompatibleOpError(f"op {self.name!r} cannot be built here: " + "; ".join(reasons))
         if verbose:
             self.is_compatible(verbose=True)
+        from opbuilder import build
+
         return build.build_and_load(self.build_spec())
 
     def builder(self) -> Any:

@@ -22,7 +22,6 @@ import shutil
 import stat
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from opbuilder import env
@@ -116,12 +115,13 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-@dataclass(frozen=True)
 class Slot:
     """Where one op at one key lives."""
 
-    op: str
-    key: str
+    __slots__ = ("op", "key")
+
+    def __init__(self, op: str, key: str) -> None:
+        self.op, self.key = op, key
 
     @property
     def op_dir(self) -> Path:

@@ -154,11 +154,11 @@ def _clean(args: argparse.Namespace) -> int:
 
     from filelock import FileLock, Timeout
 
-    from opbuilder import cache, env, prebuilt, registry, report
+    from opbuilder import cache, env, registry, report, toolchain
 
     root = env.cache_root()
     ops = list(dict.fromkeys(args.ops)) or report.cached_ops(root)
-    here = prebuilt.torch_environment() if args.stale else {}
+    here = toolchain.torch_environment() if args.stale else {}
     removed = kept = busy = 0
     freed = 0
     for op in ops:

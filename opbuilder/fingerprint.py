@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -22,26 +23,28 @@ def project_files(sources: list[Path], include_paths: list[Path]) -> list[Path]:
     A quoted include is looked up beside the including file, then in the include paths; an angle
     include only in the include paths (so ``<torch/...>`` and ``<vector>`` are not followed).
     """
-    seen: dict[Path, None] = {}
-    stack = [p.resolve() for p in sources]
+    # Plain strings and os.path: this runs on every warm load.
+    roots = [str(p) for p in include_paths]
+    seen: dict[str, None] = {}
+    stack = [os.path.realpath(p) for p in sources]
     while stack:
         path = stack.pop()
         if path in seen:
             continue
         seen[path] = None
         try:
-            text = path.read_bytes()
+            with open(path, "rb") as fh:
+                text = fh.read()
         except OSError:
             continue  # a missing source is reported by the build, with the compiler's words
         for quote, name in _INCLUDE.findall(text):
             rel = name.decode("utf-8", "replace")
-            roots = ([path.parent] if quote == b'"' else []) + include_paths
-            for root in roots:
-                candidate = root / rel
-                if candidate.is_file():
-                    stack.append(candidate.resolve())
+            for root in ([os.path.dirname(path)] if quote == b'"' else []) + roots:
+                candidate = os.path.join(root, rel)
+                if os.path.isfile(candidate):
+                    stack.append(os.path.realpath(candidate))
                     break
-    return sorted(seen)
+    return [Path(p) for p in sorted(seen)]
 
 
 def digest_files(files: list[Path], roots: list[Path]) -> dict[str, str]:

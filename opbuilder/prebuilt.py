@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opbuilder import cache, env, fingerprint, loader, toolchain
-from opbuilder.builder import INCLUDE_DIR, PACKAGE_DIR
+from opbuilder.builder import INCLUDE_DIR, PREBUILT_DIR
 
 if TYPE_CHECKING:
     from opbuilder.builder import OpBuilder
 
-#: Where install-time builds live inside the package.
-PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 #: The ``setup.py`` commands that compile; other runs of ``setup.py`` (metadata) stay quiet.
 BUILD_COMMANDS = ("build", "build_ext", "bdist_wheel", "install", "develop", "editable_wheel")
 
@@ -73,22 +71,6 @@ def _portable_nvcc(args: list[str]) -> list[str]:
     return [a for a in args if not a.startswith(("-gencode", "-I"))]
 
 
-def torch_environment() -> dict[str, Any]:
-    """This process's torch and Python facts, as the cache key records them (``_TORCH_FIELDS``)."""
-    import sysconfig
-
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "torch_git": torch.version.git_version,
-        "torch_cuda": torch.version.cuda,
-        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
-        "python": sys.implementation.cache_tag,
-        "soabi": sysconfig.get_config_var("SOABI"),
-    }
-
-
 def requirements(builder: OpBuilder) -> dict[str, Any]:
     """What a prebuilt library of ``builder``'s op must have been built with to run in this process.
 
@@ -98,7 +80,7 @@ def requirements(builder: OpBuilder) -> dict[str, Any]:
     writes nothing: a prebuilt op loads where the cache is read-only and no compiler is installed.
     """
     files = fingerprint.project_files(builder.all_sources(), builder._include_dirs())
-    here = torch_environment()
+    here = toolchain.torch_environment()
     return {
         **here,
         "op": builder.name,

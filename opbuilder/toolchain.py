@@ -13,7 +13,6 @@ import os
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 from opbuilder import env
@@ -121,13 +120,14 @@ def _write_memo(memo_path: Path, memo: dict) -> None:
         pass  # a memo is an optimisation; a read-only cache is reported where it matters
 
 
-@dataclass(frozen=True)
 class CudaLibrary:
     """Where a CUDA library's header and shared object are."""
 
-    include_dir: Path
-    lib_dir: Path
-    lib_name: str  # "libcublasLt.so", or a versioned "libcublasLt.so.13" (pip wheels ship no unversioned one)
+    __slots__ = ("include_dir", "lib_dir", "lib_name")
+
+    def __init__(self, include_dir: Path, lib_dir: Path, lib_name: str) -> None:
+        # lib_name: "libcublasLt.so", or a versioned "libcublasLt.so.13" (pip wheels ship no unversioned one)
+        self.include_dir, self.lib_dir, self.lib_name = include_dir, lib_dir, lib_name
 
     def ldflags(self) -> list[str]:
         stem = self.lib_name.removeprefix("lib").partition(".so")[0]
@@ -163,12 +163,30 @@ def find_cuda_library(name: str) -> CudaLibrary | None:
     return None
 
 
+def torch_environment() -> dict[str, object]:
+    """The torch and Python facts a build depends on, as the cache key and prebuilt records hold them."""
+    import importlib.machinery
+    import sys
+
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "torch_cuda": torch.version.cuda,
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python": sys.implementation.cache_tag,
+        "soabi": importlib.machinery.EXTENSION_SUFFIXES[0],
+    }
+
+
+@functools.lru_cache(maxsize=None)
 def cxx_standard() -> str:
     """The C++ standard torch's headers need: C++20 from torch 2.13 on, C++17 before."""
     import torch
-    from packaging.version import Version
 
-    return "-std=c++20" if Version(torch.__version__.split("+")[0]) >= Version("2.13") else "-std=c++17"
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
 
 
 def cxx_path() -> str | None:
