@@ -12,7 +12,7 @@ py=python3
 step() { echo "=== $* ($(date +%T))"; }
 
 step install
-$py -m pip install --no-deps --no-build-isolation -e . -q >"$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
+$py -m pip install --no-deps --no-build-isolation -e . -q >/tmp/opb-install.log 2>&1 || { tail -20 /tmp/opb-install.log; exit 1; }
 $py -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 
 step "a C++ check's error reaches Python (no crash), CPU and CUDA"
@@ -28,10 +28,7 @@ for dev in ("cpu", "cuda"):
         except RuntimeError as e:
             print(dev, name, "ok:", str(e).splitlines()[0][:120], flush=True)
 PY
-$py -X faulthandler /tmp/opb_errors.py >"$out/errors.log" 2>&1; code=$?; tail -8 "$out/errors.log"
-if [ $code -ne 0 ] && command -v cuda-gdb >/dev/null; then
-  timeout 120 cuda-gdb -batch -ex run -ex bt --args $py /tmp/opb_errors.py >"$out/errors_bt.log" 2>&1; grep -E "^#" "$out/errors_bt.log" | head -25
-fi
+$py -X faulthandler /tmp/opb_errors.py 2>&1 | tail -8
 
 step "cold build of every op"
 /usr/bin/time -f "build --all: %e s" timeout 240 $py -m opbuilder build --all 2>&1 | tee "$out/build.log" | tail -12
