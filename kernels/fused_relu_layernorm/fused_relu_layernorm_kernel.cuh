@@ -17,26 +17,14 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#include "common/cuda_types.cuh"
+
 namespace opb::fused_relu_layernorm {
 
 // ---- element conversions (torch passes -D__CUDA_NO_*_CONVERSIONS__: convert explicitly) ----------
 
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-// Accumulating in double happens only for double data: double -> double.
-template <typename T>
-__device__ __forceinline__ T from_acc(double v) { return v; }
+using opb::from_acc;
+using opb::to_acc;
 
 // relu that keeps NaN (as torch.relu does): `v < 0` is false for NaN.
 template <typename A>

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/cuda_types.cuh"
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #include <cooperative_groups.h>
 #define OPB_SOFTMAX_CLUSTERS 1
@@ -33,30 +35,9 @@ namespace opb::softmax {
 
 // ---- element types -------------------------------------------------------------------------------
 
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(typename AccOf<T>::type v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ double from_acc<double>(double v) { return v; }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using opb::AccOf;
+using opb::from_acc;
+using opb::to_acc;
 
 template <typename Acc>
 __device__ __forceinline__ Acc neg_inf();
