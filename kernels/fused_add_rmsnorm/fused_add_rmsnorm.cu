@@ -24,8 +24,17 @@ cudaError_t forward_typed(const T* input, const T* residual, const T* weight, T*
       const int nvec = static_cast<int>(hidden / P);
       const float inv_hidden = 1.f / static_cast<float>(hidden);
       const float feps = static_cast<float>(eps);
+      if (nvec == 512) {
+        // 512 packs (bf16/fp16 hidden 4096, fp32 2048): one pack a thread x 512 threads, the weight loaded
+        // with the row, plain loads. Measured on an H200 (benchmarks/NOTES.md, bf16 hidden 4096) against
+        // the plan's 4 packs x 128 threads, weight after the reduction, __ldcs: 32768 rows 272.7 -> 262.8 us,
+        // 4096 rows 38.8 -> 37.7 us, 128 rows 7.3 -> 6.1 us. Other sizes keep the plan until measured.
+        forward_rows_kernel<T, 1, true, false><<<static_cast<unsigned>(rows), 512, 0, stream>>>(
+            input, residual, weight, out, residual_out, rows, nvec, 512, inv_hidden, feps);
+        return cudaGetLastError();
+      }
 #define OPB_FWD_ROWS(NV)                                                                                        \
-  forward_rows_kernel<T, NV><<<static_cast<unsigned>(blocks), rp.threads, 0, stream>>>(                         \
+  forward_rows_kernel<T, NV, false, true><<<static_cast<unsigned>(blocks), rp.threads, 0, stream>>>(            \
       input, residual, weight, out, residual_out, rows, nvec, rp.tpr, inv_hidden, feps)
       switch (rp.nv) {
         case 1: OPB_FWD_ROWS(1); break;

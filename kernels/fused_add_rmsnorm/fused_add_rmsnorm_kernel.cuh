@@ -29,42 +29,15 @@
 #include <cstring>
 #include <type_traits>
 
+#include "common/cuda_types.cuh"
+
 namespace opb::fused_add_rmsnorm {
 
 // ---- element types -------------------------------------------------------------------------------
 
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-template <typename T>
-using acc_t = typename AccOf<T>::type;
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-// bf16 -> fp32 is exact: the bits, shifted. Plain integer arithmetic, which the compiler may redo
-// instead of keeping a float copy of every element alive in registers.
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) {
-  unsigned short bits;
-  memcpy(&bits, &v, sizeof(bits));
-  return __uint_as_float(static_cast<unsigned>(bits) << 16);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_acc(acc_t<T> v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ double from_acc<double>(double v) { return v; }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using opb::acc_t;
+using opb::from_acc;
+using opb::to_acc;
 
 __device__ __forceinline__ float rsqrt_acc(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double rsqrt_acc(double v) { return rsqrt(v); }
@@ -181,9 +154,22 @@ __device__ __forceinline__ A row_sum(A a, int tpr, A* buf) {
 
 // ---- forward -------------------------------------------------------------------------------------
 
+// Vector i of p, read once: an evict-first load (__ldcs) or a plain one (the compiler makes it a
+// read-only-path load, p being const __restrict__ in the kernels).
+template <bool STREAM, typename V, typename T>
+__device__ __forceinline__ V load_row(const T* p, int64_t i) {
+  if constexpr (STREAM) {
+    return load_stream<V>(p, i);
+  } else {
+    return reinterpret_cast<const V*>(p)[i];
+  }
+}
+
 // input, residual (nullable), out, residual_out: [rows, nvec * P]; weight: [nvec * P]; 16-byte aligned.
 // Block: (blockDim.x / tpr) rows of tpr threads; thread `lane` of a row owns packs lane + j * tpr.
-template <typename T, int NV>
+// W_EARLY: the weight is loaded with the row, before the reduction, instead of after it (off the row's
+// critical path, for NV more registers). STREAM: __ldcs loads of input and residual, else plain loads.
+template <typename T, int NV, bool W_EARLY, bool STREAM>
 __global__ void __launch_bounds__(512)
     forward_rows_kernel(const T* __restrict__ input, const T* __restrict__ residual, const T* __restrict__ weight,
                         T* __restrict__ out, T* __restrict__ residual_out, int64_t rows, int nvec, int tpr,
@@ -196,7 +182,7 @@ __global__ void __launch_bounds__(512)
   const bool live = row < rows;
   const int64_t base = row * nvec;
 
-  V h[NV];
+  V h[NV], w[NV];
   float ss = 0.f;
   {
     V a[NV], b[NV];
@@ -204,8 +190,9 @@ __global__ void __launch_bounds__(512)
     for (int j = 0; j < NV; ++j) {
       const int idx = lane + j * tpr;
       if (live && idx < nvec) {
-        a[j] = load_stream<V>(input, base + idx);
-        if (residual != nullptr) b[j] = load_stream<V>(residual, base + idx);
+        a[j] = load_row<STREAM, V>(input, base + idx);
+        if (residual != nullptr) b[j] = load_row<STREAM, V>(residual, base + idx);
+        if (W_EARLY) w[j] = load_cached<V>(weight, idx);
       }
     }
 #pragma unroll
@@ -235,10 +222,10 @@ __global__ void __launch_bounds__(512)
   for (int j = 0; j < NV; ++j) {
     const int idx = lane + j * tpr;
     if (live && idx < nvec) {
-      const V w = load_cached<V>(weight, idx);
+      if (!W_EARLY) w[j] = load_cached<V>(weight, idx);
       float f[P];
 #pragma unroll
-      for (int k = 0; k < P; ++k) f[k] = to_acc(h[j].v[k]) * rstd * to_acc(w.v[k]);
+      for (int k = 0; k < P; ++k) f[k] = to_acc(h[j].v[k]) * rstd * to_acc(w[j].v[k]);
       V o;
       from_acc_n(o, f);
       store(out, base + idx, o);
