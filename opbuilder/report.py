@@ -88,6 +88,21 @@ def cached_keys(op_dir: Path) -> list[Path]:
         return []
 
 
+def stray_tmp_dirs(op_dir: Path) -> list[Path]:
+    """Temporary build folders that no live build owns (a killed build leaves one): those whose key's
+    lock is free. A folder whose key is being built is that build's, not stray."""
+    try:
+        tmp = sorted(p for p in op_dir.iterdir() if p.name.startswith(cache.TMP_PREFIX) and p.is_dir())
+    except OSError:
+        return []
+    stray = []
+    for path in tmp:
+        key = path.name[len(cache.TMP_PREFIX):].split("-")[0]
+        if lock_held(op_dir / f"{key}.lock") is False:
+            stray.append(path)
+    return stray
+
+
 def _compiler_gone(ident: Any) -> str | None:
     if not isinstance(ident, dict) or "path" not in ident:
         return None
@@ -202,8 +217,10 @@ def _when(epoch: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(epoch))
 
 
-def op_row(name: str) -> dict[str, Any]:
-    """One built-in op: compatible (or why not), prebuilt, cached for this key, being built, last build."""
+def op_row(name: str, here: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One built-in op: compatible (or why not), prebuilt, cached for this key (or why its build there is
+    corrupt), being built, last build; and in its cache folder the stale builds of other keys (why each)
+    and stray temporary build folders. ``here``: ``toolchain.torch_environment()``, computed when None."""
     row: dict[str, Any] = {
         "op": name,
         "compatible": False,
@@ -212,11 +229,14 @@ def op_row(name: str) -> dict[str, Any]:
         "prebuilt": None,
         "key": None,
         "cached": False,
+        "corrupt": None,
         "cache_path": None,
         "building": None,
         "last_build": None,
         "log": None,
         "other_builds": 0,
+        "stale": [],
+        "stray_tmp": [],
     }
     try:
         builder = registry.get_builder(name)
@@ -224,14 +244,14 @@ def op_row(name: str) -> dict[str, Any]:
         row["reasons"] = [f"its builder failed to import: {type(exc).__name__}: {exc}"]
         return row
     try:
-        _fill(row, builder)
+        _fill(row, builder, toolchain.torch_environment() if here is None else here)
     except (ValueError, OpBuilderError) as exc:  # e.g. a malformed TORCH_CUDA_ARCH_LIST, an unusable cache
         row["compatible"] = False
         row["reasons"] = [str(exc)]
     return row
 
 
-def _fill(row: dict[str, Any], builder: OpBuilder) -> None:
+def _fill(row: dict[str, Any], builder: OpBuilder, here: dict[str, Any]) -> None:
     from opbuilder import prebuilt
 
     name = builder.name
@@ -250,8 +270,10 @@ def _fill(row: dict[str, Any], builder: OpBuilder) -> None:
     slot = cache.Slot(name, builder.key)
     row["key"] = builder.key
     row["cache_path"] = str(slot.path)
-    artifact, manifest, _ = cache.check_build(slot.path)
+    artifact, manifest, why = cache.check_build(slot.path)
     row["cached"] = artifact is not None
+    if artifact is None and slot.path.exists():  # a build is there but cannot be loaded: the next load rebuilds
+        row["corrupt"] = why
     row["building"] = lock_held(slot.lock_path)
     failure = cache.read_failure(slot)
     if manifest is not None:
@@ -260,13 +282,20 @@ def _fill(row: dict[str, Any], builder: OpBuilder) -> None:
     elif failure is not None:
         row["last_build"] = {"ok": False, "at": _when(float(failure.get("time", 0))), "seconds": None}
         row["log"] = failure.get("log")
-    row["other_builds"] = sum(1 for p in cached_keys(slot.op_dir) if p.name != slot.key)
+    others = [p for p in cached_keys(slot.op_dir) if p.name != slot.key]
+    row["other_builds"] = len(others)
+    for path in others:
+        stale = stale_reason(cache.read_manifest(path), builder, here)
+        if stale is not None:
+            row["stale"].append({"key": path.name, "path": str(path), "reason": stale})
+    row["stray_tmp"] = [str(p) for p in stray_tmp_dirs(slot.op_dir)]
 
 
 def collect() -> dict[str, Any]:
     """Everything the report shows, JSON-able."""
     root = env.cache_root()
-    ops = [op_row(name) for name in registry.names()]
+    here = toolchain.torch_environment()
+    ops = [op_row(name, here) for name in registry.names()]
     user_ops = {op: len(cached_keys(root / op)) for op in cached_ops(root) if op not in registry.BUILDERS}
     return {
         "versions": versions(),
@@ -334,9 +363,18 @@ def render(data: dict[str, Any]) -> str:
             last_text += "" if last["ok"] else " FAILED"
         if r["log"]:
             notes.append(f"{r['op']}: log {r['log']}")
+        if r["corrupt"]:
+            notes.append(f"{r['op']}: CORRUPT build at {r['cache_path']}: {r['corrupt']} (the next load rebuilds it)")
+        for stale in r["stale"]:
+            notes.append(f"{r['op']}: STALE build {stale['key']}: {stale['reason']} "
+                         "(`opbuilder clean --stale` removes it)")
         if r["other_builds"]:
             notes.append(f"{r['op']}: {r['other_builds']} other build(s) in the cache (see `opbuilder clean --stale`)")
-        rows.append((r["op"], compat, prebuilt_text, _yes_no(r["cached"]) if r["key"] else "-",
+        for path in r["stray_tmp"]:
+            notes.append(f"{r['op']}: STRAY temporary build folder {path}, left by a build that ended early (the "
+                         f"next build of its key removes it; so does `opbuilder clean {r['op']}`, with its builds)")
+        cached = "CORRUPT" if r["corrupt"] else _yes_no(r["cached"])
+        rows.append((r["op"], compat, prebuilt_text, cached if r["key"] else "-",
                      _yes_no(r["building"]) if r["key"] else "-", last_text))
     widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:

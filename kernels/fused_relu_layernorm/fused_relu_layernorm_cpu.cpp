@@ -105,7 +105,14 @@ void forward_typed(const FwdArgs& a) {
     for (int64_t j = 0; j < static_cast<int64_t>(wa.size()); ++j) wa[j] = static_cast<A>(w[j]);
     for (int64_t j = 0; j < static_cast<int64_t>(ba.size()); ++j) ba[j] = static_cast<A>(b[j]);
     for (int64_t r = r0; r < r1; ++r) {
-      const A mean = static_cast<A>(relu_into(x + r * n, buf.data(), n) / double(n));
+      A mean = static_cast<A>(relu_into(x + r * n, buf.data(), n) / double(n));
+      if constexpr (std::is_same_v<A, double>) {
+        // sum / n in double can be an ulp off; one correction pass makes a constant row's mean exact,
+        // so its variance is exactly 0 (and eps = 0 gives 0/0 = NaN, as torch does).
+        double dev[1];
+        row_sums<A, 1>(n, [&](int64_t j, A* t) { t[0] = buf[j] - mean; }, dev);
+        mean += dev[0] / double(n);
+      }
       const double var = sum_sq_dev(buf.data(), n, mean) / double(n);
       const A rstd = static_cast<A>(1.0 / std::sqrt(var + eps));
       mean_out[r] = mean;
