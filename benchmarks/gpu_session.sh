@@ -34,7 +34,7 @@ step "cold build of every op"
 /usr/bin/time -f "build --all: %e s" timeout 240 $py -m opbuilder build --all 2>&1 | tee "$out/build.log" | tail -12
 
 step "tests (all but the slow ones), 8 workers"
-timeout "${TEST_TIMEOUT:-300}" $py -m pytest tests -q -n 8 -m "not slow" -p no:cacheprovider -rfE ${PYTEST_ARGS:-} \
+timeout "${TEST_TIMEOUT:-300}" $py -m pytest tests -q -n 8 -m "not slow" -p no:cacheprovider -rfE ${PYTEST_K:+-k "$PYTEST_K"} \
     >"$out/tests.log" 2>&1
 echo "pytest exit: $?"; grep -E "passed|failed|error" "$out/tests.log" | tail -3; grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -30
 
