@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, run_python
 from test_cache import _build_processes, _builds, _load, _manifest, _wait_for
-from userop import load_snippet, write_user_op
+from userop import load_snippet, user_op_key, write_user_op
 
 OK = "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]"
 NOBODY = 65534
@@ -99,14 +99,7 @@ def test_damaged_manifest_is_rebuilt(damage: str, tmp_path: Path, fresh_cache: P
 
 def test_stray_temporary_folder_is_ignored_and_removed(tmp_path: Path, fresh_cache: Path) -> None:
     op = write_user_op(tmp_path / "proj")
-    sys.path.insert(0, str(op))
-    try:
-        from my_ops import AddScaleBuilder
-
-        key = AddScaleBuilder().key
-    finally:
-        sys.path.remove(str(op))
-        sys.modules.pop("my_ops", None)
+    key = user_op_key(op)
     stray = fresh_cache / "add_scale" / f".tmp-{key}-99999-abc"
     stray.mkdir(parents=True)
     (stray / f"add_scale_{key[:12]}.so").write_bytes(b"not a library")
@@ -147,14 +140,7 @@ def test_new_cache_root_is_private(tmp_path: Path, fresh_cache: Path) -> None:
 
 def test_planted_lock_symlink_is_not_followed(tmp_path: Path, fresh_cache: Path) -> None:
     op = write_user_op(tmp_path / "proj")
-    sys.path.insert(0, str(op))
-    try:
-        from my_ops import AddScaleBuilder
-
-        key = AddScaleBuilder().key
-    finally:
-        sys.path.remove(str(op))
-        sys.modules.pop("my_ops", None)
+    key = user_op_key(op)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     (fresh_cache / "add_scale").mkdir(parents=True, mode=0o700)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -65,3 +66,15 @@ def load_snippet(root: Path) -> str:
         x = torch.arange(5, dtype=torch.float32)
         print("RESULT", ns.add_scale(x).tolist())
     """)
+
+
+def user_op_key(root: Path) -> str:
+    """The cache key of the op written under ``root``, worked out in this process."""
+    sys.path.insert(0, str(root))
+    try:
+        from my_ops import AddScaleBuilder
+
+        return AddScaleBuilder().key
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("my_ops", None)
