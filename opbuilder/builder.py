@@ -111,6 +111,15 @@ class OpBuilder:
     def _all_sources(self) -> list[Path]:
         return self._resolve(self.sources())
 
+    def built_sources(self, with_cuda: bool) -> list[Path]:
+        """The sources a build compiles: all of them, or without the ``.cu`` files for a CPU-only build."""
+        return [p for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
+
+    def file_digests(self, with_cuda: bool = True) -> dict[str, str]:
+        """sha256 of each source a build compiles and of every project header they include."""
+        files = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs())
+        return fingerprint.digest_files(files, [self.source_root(), INCLUDE_DIR])
+
     def cuda_skip_reason(self) -> str | None:
         """Why the CUDA sources will not be built here, or None when they will be."""
         if not any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
@@ -180,16 +189,14 @@ class OpBuilder:
     @cached_property
     def _key_inputs(self) -> dict[str, Any]:
         with_cuda = self.with_cuda()
-        sources = [p for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
-        include_dirs = self._include_dirs()
-        files = fingerprint.project_files(sources, include_dirs)
+        cxx_args = self.final_cxx_args()
         cxx = toolchain.cxx_path()
         nvcc = toolchain.nvcc_path() if with_cuda else None
         return {
             "op": self.name,
             "builder_version": self.VERSION,
-            "files": fingerprint.digest_files(files, [self.source_root(), INCLUDE_DIR]),
-            "cxx_args": self.final_cxx_args(),
+            "files": self.file_digests(with_cuda),
+            "cxx_args": cxx_args,
             "nvcc_args": self.final_nvcc_args() if with_cuda else [],
             "ldflags": self.extra_ldflags(),
             "python_module": self.is_python_module(),
@@ -197,7 +204,7 @@ class OpBuilder:
             "cxx": toolchain.compiler_identity(cxx) if cxx else None,
             "nvcc": toolchain.compiler_identity(nvcc) if nvcc else None,
             "cuda_archs": self.cuda_archs() if with_cuda else [],
-            "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in self.final_cxx_args()) else None,
+            "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in cxx_args) else None,
         }
 
     @cached_property
@@ -220,11 +227,11 @@ class OpBuilder:
             name=f"{self.name}_{self.key[:12]}",
             namespace=self.namespace,
             python_module=self.is_python_module(),
-            sources=[str(p) for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES],
+            sources=[str(p) for p in self.built_sources(with_cuda)],
             include_paths=[str(p) for p in self._include_dirs()],
-            cxx_args=self.final_cxx_args() + [ns_flag],
-            nvcc_args=(self.final_nvcc_args() + [ns_flag]) if with_cuda else [],
-            ldflags=self.extra_ldflags(),
+            cxx_args=inputs["cxx_args"] + [ns_flag],
+            nvcc_args=(inputs["nvcc_args"] + [ns_flag]) if with_cuda else [],
+            ldflags=inputs["ldflags"],
             with_cuda=with_cuda,
             archs=self.cuda_archs() if with_cuda else [],
             inputs=inputs,
@@ -270,11 +277,10 @@ class OpBuilder:
 
         with_cuda = self.with_cuda()
         key = prebuilt.prebuilt_key(self)
-        sources = [str(p) for p in self.all_sources() if with_cuda or p.suffix not in CUDA_SUFFIXES]
         ns_flag = f"-DOPB_NAMESPACE=opb_{self.name}_{key[:12]}"
         kwargs: dict[str, Any] = {
             "name": f"opbuilder._prebuilt.{self.name}.{self.name}_{key[:12]}",
-            "sources": sources,
+            "sources": [str(p) for p in self.built_sources(with_cuda)],
             "include_dirs": [str(p) for p in self._include_dirs()],
             "extra_link_args": self.extra_ldflags(),
         }

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opbuilder import cache, env, fingerprint, loader, toolchain
-from opbuilder.builder import INCLUDE_DIR, PREBUILT_DIR
+from opbuilder.builder import PREBUILT_DIR
 
 if TYPE_CHECKING:
     from opbuilder.builder import OpBuilder
@@ -79,14 +79,13 @@ def requirements(builder: OpBuilder) -> dict[str, Any]:
     is no nvcc), while the library loaded at run time is the one torch loads. Runs no compiler and
     writes nothing: a prebuilt op loads where the cache is read-only and no compiler is installed.
     """
-    files = fingerprint.project_files(builder.all_sources(), builder._include_dirs())
     here = toolchain.torch_environment()
     return {
         **here,
         "op": builder.name,
         "builder_version": builder.VERSION,
         "python_module": builder.is_python_module(),
-        "files": fingerprint.digest_files(files, [builder.source_root(), INCLUDE_DIR]),
+        "files": builder.file_digests(with_cuda=True),
         "cxx_args": _portable_cxx(builder.final_cxx_args()),
         # Without CUDA in torch no nvcc flag matters (and torch_cuda already differs).
         "nvcc_args": _portable_nvcc(builder.final_nvcc_args()) if here["torch_cuda"] else [],
