@@ -202,14 +202,23 @@ def publish(slot: Slot, tmp_dir: Path, manifest: dict) -> Path:
     A bad build already at the slot is moved aside first and then removed.
     """
     write_text_atomic(tmp_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    if slot.path.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{slot.key}-old-", dir=slot.op_dir))
-        os.rename(slot.path, trash / "old")
-        shutil.rmtree(trash, ignore_errors=True)
+    retire(slot)
     os.rename(tmp_dir, slot.path)
     with contextlib.suppress(OSError):
         slot.failure_path.unlink()
     return slot.path
+
+
+def retire(slot: Slot) -> None:
+    """Remove the build at ``slot``, if any. Call with the slot's lock held.
+
+    One rename takes it out of sight first, so a reader sees a whole build or none; the deletion follows.
+    """
+    if not slot.path.exists():
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{slot.key}-old-", dir=slot.op_dir))
+    os.rename(slot.path, trash / "old")
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def record_failure(slot: Slot, message: str, log_text: str) -> Path:

@@ -150,8 +150,6 @@ def _build_all(builders: list, jobs: int) -> list[str]:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    import tempfile
-
     from filelock import FileLock, Timeout
 
     from opbuilder import cache, env, registry, report, toolchain
@@ -197,11 +195,8 @@ def _clean(args: argparse.Namespace) -> int:
                 continue
             try:
                 size = report.tree_size(slot.path) if slot.path.exists() else 0
-                if slot.path.exists():
-                    # Out of sight in one rename, then deleted: a reader sees a whole build or none.
-                    trash = Path(tempfile.mkdtemp(prefix=f"{cache.TMP_PREFIX}{key}-clean-", dir=op_dir))
-                    os.rename(slot.path, trash / "old")
-                cache.remove_stray_tmp_dirs(slot)  # the trash too: its name starts with the key
+                cache.retire(slot)
+                cache.remove_stray_tmp_dirs(slot)
                 for path in (slot.failure_path, op_dir / f"{key}.failed.log"):
                     if path.exists():
                         size += path.stat().st_size
