@@ -9,19 +9,9 @@
 
 #include <cstring>
 
-namespace opb {
+#include "common/acc_type.h"
 
-// fp32 accumulation for every storage type but double.
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-template <typename T>
-using acc_t = typename AccOf<T>::type;
+namespace opb {
 
 __device__ __forceinline__ float to_acc(float v) { return v; }
 __device__ __forceinline__ double to_acc(double v) { return v; }

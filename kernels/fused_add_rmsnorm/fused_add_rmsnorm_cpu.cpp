@@ -12,17 +12,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/acc_type.h"
+
 namespace opb::fused_add_rmsnorm {
 namespace {
-
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
 
 constexpr int64_t kLanes = 16;
 

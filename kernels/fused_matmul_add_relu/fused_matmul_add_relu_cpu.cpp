@@ -9,11 +9,10 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/acc_type.h"
+
 namespace opb::fused_matmul_add_relu {
 namespace {
-
-template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 template <typename T>
 inline T relu1(acc_t<T> v) {

@@ -13,12 +13,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/acc_type.h"
+
 namespace opb::fused_relu_layernorm {
 namespace {
-
-// Accumulation type: double for double data, float otherwise.
-template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 template <typename A>
 constexpr int kLanes = 64 / sizeof(A);  // one 512-bit register's worth
