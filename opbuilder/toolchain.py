@@ -61,10 +61,20 @@ def compiler_identity(path: str) -> dict[str, object]:
     """Path, size, mtime, ``--version`` line (and for a C++ compiler, whether it links the C++
     runtime statically) of a compiler binary.
 
-    Asked once per binary and remembered in the cache root; later calls only stat.
+    Asked once per binary and remembered in the cache root (and in this process); later calls only stat.
     """
     st = os.stat(path)
     ident = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    record = _IDENTITIES.get(ident)
+    if record is None:
+        record = _IDENTITIES[ident] = _identity_record(path, ident)
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, **record}
+
+
+_IDENTITIES: dict[str, dict] = {}
+
+
+def _identity_record(path: str, ident: str) -> dict:
     memo_path = _version_memo_path()
     try:
         memo = json.loads(memo_path.read_text())
@@ -79,7 +89,7 @@ def compiler_identity(path: str) -> dict[str, object]:
         memo = memo if isinstance(memo, dict) else {}
         memo[ident] = record
         _write_memo(memo_path, memo)
-    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, **record}
+    return record
 
 
 def _ask(path: str, args: list[str], last: bool = False) -> str:
