@@ -76,11 +76,12 @@ bool vectorizable(int64_t cols, DType dtype, const void* const* ptrs, int n_ptrs
   return true;
 }
 
-// Measured on an H200 (benchmarks/quick_softmax.py's plan sweep): 4 vectors a thread (forward; 2 for
-// backward, which holds two rows) and up to 256 threads per block, then 8 (backward 4) with up to
-// 1024 threads, beat fewer, larger loads per thread and beat splitting a row across a cluster:
-// fp32 4096 cols 256x4 0.86 of copy (128x8 0.80); fp32 32768 cols 1024x8 0.84 (cluster 4x256x8 0.74);
-// bf16 32768 cols 512x8 0.70 (cluster 2x256x8 0.62); bf16 backward 4096 cols 256x2 0.92 (128x4 0.91).
+// Measured (forward: benchmarks/tune_softmax.py on an H100, NOTES.md; backward: an earlier sweep on an
+// H200): 4 vectors a thread (forward; 2 for backward, which holds two rows) and up to 256 threads per
+// block, then 8 (backward 4) with up to 1024 threads, are as fast as any other block shape and beat
+// splitting a row across a cluster: fp32 4096 cols 256x4 0.90 of copy (128x8 0.91, 256x2 0.76);
+// fp32 32768 cols 1024x8 0.995 (cluster 2x512x8 0.93); bf16 32768 cols 512x8 0.99 (cluster 2x256x8
+// 0.93); bf16 backward 4096 cols 256x2 0.92 (128x4 0.91).
 Plan default_plan(const Problem& p) {
   const int64_t vectors = row_vectors(p);
   const int small_vpt = p.backward ? 2 : 4;

@@ -37,6 +37,7 @@ namespace opb::softmax {
 
 using opb::AccOf;
 using opb::from_acc;
+using opb::from_acc2;
 using opb::to_acc;
 
 template <typename Acc>
@@ -46,8 +47,13 @@ __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f8
 template <>
 __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
 
-// exp(a). exp2f is ex2.approx plus range handling: 2 ulp, and exactly 0 for -inf.
-__device__ __forceinline__ float exp_acc(float a) { return exp2f(a * 1.4426950408889634f); }
+// exp(a): one MUFU op (2 ulp; -inf gives 0). exp2f would add range handling around it to keep subnormal
+// results, which costs three more instructions an element; here a result below 2^-126 flushes to 0.
+__device__ __forceinline__ float exp_acc(float a) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a * 1.4426950408889634f));
+  return r;
+}
 __device__ __forceinline__ double exp_acc(double a) { return exp(a); }
 
 // max that keeps NaN (fmaxf drops it): a row holding NaN gives NaN everywhere, as torch does.
@@ -55,15 +61,14 @@ template <typename Acc>
 __device__ __forceinline__ Acc max_nan(Acc a, Acc b) {
   return (a > b || a != a) ? a : b;
 }
-
-// s1 * e1 + s2 * e2 without fma contraction, so the result does not depend on the argument order:
-// every lane of a butterfly reduction then holds bit-identical (max, sum).
-__device__ __forceinline__ float mul_add2(float s1, float e1, float s2, float e2) {
-  return __fadd_rn(__fmul_rn(s1, e1), __fmul_rn(s2, e2));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ float max_nan<float>(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
-__device__ __forceinline__ double mul_add2(double s1, double e1, double s2, double e2) {
-  return __dadd_rn(__dmul_rn(s1, e1), __dmul_rn(s2, e2));
-}
+#endif
 
 // ---- vectors of N elements -----------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ struct alignas(sizeof(T) * N) Pack {
 };
 
 // Evict-first loads for data read once; plain (L2-kept) loads for data the split path reads again.
+// (The forward reads with plain loads too: on the H100 they beat evict-first ones, benchmarks/NOTES.md.)
 template <bool kStream, typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   using R = typename RawOf<sizeof(T) * N>::type;
@@ -102,13 +108,34 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   return out;
 }
 
-template <typename T, int N>
+template <bool kStream, typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   using R = typename RawOf<sizeof(T) * N>::type;
   R r;
   memcpy(&r, &v, sizeof(R));
-  __stcs(reinterpret_cast<R*>(p), r);
+  if constexpr (kStream)
+    __stcs(reinterpret_cast<R*>(p), r);
+  else
+    __stwb(reinterpret_cast<R*>(p), r);  // a plain store, kept as one access (a struct copy may be split)
 }
+
+// Two 16-bit elements side by side, for compares that take a pair at once.
+template <typename T>
+struct PairOf;
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+  __device__ __forceinline__ static type neg_inf() {
+    return __halves2half2(__ushort_as_half(0xfc00), __ushort_as_half(0xfc00));
+  }
+};
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  __device__ __forceinline__ static type neg_inf() {
+    return __halves2bfloat162(__ushort_as_bfloat16(0xff80), __ushort_as_bfloat16(0xff80));
+  }
+};
 
 // ---- partial results and how they merge ------------------------------------------------------------
 
@@ -121,11 +148,15 @@ struct MaxSum {
 
   __device__ __forceinline__ static MaxSum identity() { return {neg_inf<Acc>(), Acc(0)}; }
 
+  // The same bits in either argument order, so every lane of a butterfly reduction ends with the same
+  // (max, sum). One exp: the pair with the larger max (or a NaN max) keeps its sum as it is.
   __device__ __forceinline__ static MaxSum merge(MaxSum a, MaxSum b) {
-    Acc m = max_nan(a.m, b.m);
     // Equal maxima (both -inf included, where the general formula would make 0 * NaN): add.
-    if (a.m == b.m) return {m, a.s + b.s};
-    return {m, mul_add2(a.s, exp_acc(a.m - m), b.s, exp_acc(b.m - m))};
+    if (a.m == b.m) return {a.m, a.s + b.s};
+    const bool a_wins = a.m > b.m || a.m != a.m;
+    const MaxSum hi = a_wins ? a : b;
+    const MaxSum lo = a_wins ? b : a;
+    return {hi.m, hi.s + lo.s * exp_acc(lo.m - hi.m)};
   }
 
   __device__ __forceinline__ MaxSum shfl_xor(int offset, int width) const {
@@ -234,15 +265,36 @@ struct Slice {
   }
 };
 
+// The largest element of a thread's slice, NaN if one is NaN. 16-bit elements are compared two at a
+// time in their own type (exact: widening keeps order) and widened once at the end.
+template <typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
+__device__ __forceinline__ Acc max_of(const Slice<T, N, VPT>& x) {
+  if constexpr (sizeof(T) == 2 && N % 2 == 0) {
+    using T2 = typename PairOf<T>::type;
+    T2 m = PairOf<T>::neg_inf();
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      if (x.valid(v)) {
+        const T2* pairs = reinterpret_cast<const T2*>(x.buf[v].v);
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) m = __hmax2_nan(m, pairs[k]);
+      }
+    return max_nan(to_acc(m.x), to_acc(m.y));
+  } else {
+    Acc m = neg_inf<Acc>();
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      if (x.valid(v)) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) m = max_nan(m, to_acc(x.buf[v].v[k]));
+      }
+    return m;
+  }
+}
+
 template <typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
 __device__ __forceinline__ MaxSum<Acc> max_sum_of(const Slice<T, N, VPT>& x) {
-  Acc m = neg_inf<Acc>();
-#pragma unroll
-  for (int v = 0; v < VPT; ++v)
-    if (x.valid(v)) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) m = max_nan(m, to_acc(x.buf[v].v[k]));
-    }
+  const Acc m = max_of(x);
   Acc s = 0;
   if (m != neg_inf<Acc>()) {
 #pragma unroll
@@ -256,16 +308,23 @@ __device__ __forceinline__ MaxSum<Acc> max_sum_of(const Slice<T, N, VPT>& x) {
 }
 
 // y = exp(x - m) / s. For an all -inf row m = -inf and this is NaN, as torch gives.
-template <typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
+template <bool kStream, typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
 __device__ __forceinline__ void write_softmax(const Slice<T, N, VPT>& x, MaxSum<Acc> row, T* y) {
   const Acc inv = Acc(1) / row.s;
 #pragma unroll
   for (int v = 0; v < VPT; ++v)
     if (x.valid(v)) {
       Pack<T, N> out;
+      if constexpr (N % 2 == 0) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(exp_acc(to_acc(x.buf[v].v[k]) - row.m) * inv);
-      store_pack<T, N>(y + x.elem(v), out);
+        for (int k = 0; k < N; k += 2)
+          from_acc2<T>(exp_acc(to_acc(x.buf[v].v[k]) - row.m) * inv, exp_acc(to_acc(x.buf[v].v[k + 1]) - row.m) * inv,
+                       &out.v[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(exp_acc(to_acc(x.buf[v].v[k]) - row.m) * inv);
+      }
+      store_pack<kStream, T, N>(y + x.elem(v), out);
     }
 }
 
@@ -291,7 +350,7 @@ __device__ __forceinline__ void write_grad(const Slice<T, N, VPT>& y, const Slic
       Pack<T, N> out;
 #pragma unroll
       for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(to_acc(y.buf[v].v[k]) * (to_acc(dy.buf[v].v[k]) - dot.s));
-      store_pack<T, N>(dx + y.elem(v), out);
+      store_pack<true, T, N>(dx + y.elem(v), out);
     }
 }
 
@@ -310,9 +369,8 @@ __global__ void __launch_bounds__(kWarpPathThreads)
   xs.base = threadIdx.x % group;
   xs.stride = group;
   xs.count = active ? cols / N : 0;  // inactive groups still take part in the shuffles
-  xs.template load<true>(x + row * cols);
-  MaxSum<typename AccOf<T>::type> r = group_allreduce(max_sum_of(xs), group);
-  write_softmax(xs, r, y + row * cols);
+  xs.template load<false>(x + row * cols);
+  write_softmax<false>(xs, group_allreduce(max_sum_of(xs), group), y + row * cols);
 }
 
 // x, y: [rows, cols]. One row per cluster of gridDim.x / rows blocks (1 without a cluster launch);
@@ -329,11 +387,10 @@ __global__ void __launch_bounds__(MAX_THREADS)
   xs.base = int64_t(cluster.rank) * blockDim.x * VPT + threadIdx.x;
   xs.stride = blockDim.x;
   xs.count = cols / N;
-  xs.template load<true>(x + row * cols);
-  MaxSum<Acc> r = block_allreduce(max_sum_of(xs), scratch);
-  r = cluster.allreduce(r, &slot);
+  xs.template load<false>(x + row * cols);
+  const MaxSum<Acc> r = cluster.allreduce(block_allreduce(max_sum_of(xs), scratch), &slot);
   cluster.done_reading();
-  write_softmax(xs, r, y + row * cols);
+  write_softmax<false>(xs, r, y + row * cols);
   cluster.wait_peers();
 }
 
@@ -374,7 +431,7 @@ __global__ void __launch_bounds__(256)
   MaxSum<Acc> r = MaxSum<Acc>::identity();
   for (int64_t i = threadIdx.x; i < splits; i += blockDim.x) r = MaxSum<Acc>::merge(r, partials[row * splits + i]);
   r = block_allreduce(r, scratch);
-  write_softmax(xs, r, y + row * cols);
+  write_softmax<true>(xs, r, y + row * cols);
 }
 
 // ---- backward kernels ------------------------------------------------------------------------------
