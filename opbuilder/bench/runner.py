@@ -24,6 +24,9 @@ GRAD_TOLERANCE_FACTOR = 2.5
 #: Inputs are rotated among enough sets that each set has left the cache before it comes back.
 ROTATE_CACHE_MULTIPLE = 4
 MAX_SETS = 256
+#: The floor of a memory-bound case at its own size: a copy that moves the op's bytes (half read, half
+#: written). Small cases cannot reach the big copy's bandwidth; this row shows what can be reached.
+SAME_BYTES_COPY = "copy, same bytes"
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class CaseRunner:
         sets, out_grads = self._make_sets(case)
         elem = sets[0][0].element_size()
         cost = spec.cost(case.shape, elem, backward)
+        if not backward and cost.bytes and not cost.flops:
+            impls[SAME_BYTES_COPY] = self._same_bytes_copy(cost.bytes, sets)
 
         rows: dict[str, dict] = {}
         steps: dict[str, tuple[Step, Callable[[int], None] | None]] = {}
@@ -180,6 +185,12 @@ class CaseRunner:
         for t in inputs:
             t.grad = None
         return [o.detach() for o in outs] + grads
+
+    def _same_bytes_copy(self, nbytes: int, sets: list[Inputs]) -> Fn:
+        """A copy of nbytes / 2 bytes, from a source of its own for each input set (rotated like them)."""
+        dst = torch.empty(nbytes // 2, dtype=torch.uint8, device=self.device)
+        srcs = {id(inputs[0]): torch.empty_like(dst).random_() for inputs in sets}
+        return lambda *inputs: dst.copy_(srcs[id(inputs[0])])
 
     @staticmethod
     def _step(fn: Fn, sets: list[Inputs], out_grads: list[tuple[torch.Tensor, ...]] | None) -> tuple[Step, Callable[[int], None] | None]:
