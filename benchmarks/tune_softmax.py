@@ -3,7 +3,7 @@
 A plan is [path, threads, vpt, cluster] (kernels/softmax/softmax.cuh). Each plan runs through the op's
 tuning entry point ``forward_with_plan`` on the same rotated random inputs, timed with opbuilder's own CUDA
 timer (opbuilder/bench/timing.py), beside torch.softmax and a device-to-device copy measured in the same run (and a
-copy of the case's own bytes, the floor at that size).
+copy of the case's own bytes: what moving them takes at that size).
 Every plan's output is checked against torch.softmax first. benchmarks/NOTES.md records the runs.
 
     python3 benchmarks/tune_softmax.py [--json FILE]        (GPU machine)

@@ -42,7 +42,7 @@ def test_relu_json_structure(relu_run: tuple[int, dict, Path]) -> None:
     assert result["copy"]["GBps"] > 0 and result["copy"]["bytes"] > 0
     assert set(result["cost_models"]["relu"]) == {"fwd", "fwd+bwd"}
     got = {(r["pass"], r["impl"]) for r in result["rows"]}
-    # a memory-bound op's forward also gets a copy of its own bytes, the floor at that size
+    # a memory-bound op's forward also gets a copy of its own bytes: the yardstick at that size
     assert got == {(p, i) for p in ("fwd", "fwd+bwd") for i in ("ours", "eager", "compile")} | {("fwd", SAME_BYTES_COPY)}
     for r in result["rows"]:
         assert r["op"] == "relu" and r["shape"] == [ROWS, COLS] and r["dtype"] == "float32"

@@ -127,7 +127,7 @@ def write_markdown(result: dict, path: Path) -> None:
         "- `vs X` = time of X / time of the row: above 1, the row is faster than X. `ours` is opbuilder; `eager` the "
         "PyTorch reference; `compile` the same function under `torch.compile` (default mode); other names are "
         "extra eager formulations (forward only); `copy, same bytes` copies as many bytes as the op's model "
-        "counts, from rotated sources like the op's inputs: the floor a memory-bound op has at that size.",
+        "counts, from rotated sources like the op's inputs: what moving that many bytes takes at that size.",
         "",
     ]
     header = "| " + " | ".join(COLUMNS) + " |"

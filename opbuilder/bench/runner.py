@@ -24,8 +24,9 @@ GRAD_TOLERANCE_FACTOR = 2.5
 #: Inputs are rotated among enough sets that each set has left the cache before it comes back.
 ROTATE_CACHE_MULTIPLE = 4
 MAX_SETS = 256
-#: The floor of a memory-bound case at its own size: a copy that moves the op's bytes (half read, half
-#: written). Small cases cannot reach the big copy's bandwidth; this row shows what can be reached.
+#: A memory-bound case's yardstick at its own size: torch's copy of as many bytes as the op's model counts
+#: (half read, half written). Small cases do not reach the big copy's bandwidth, and neither does this copy;
+#: it is a reference, not a bound (a kernel with less launch overhead can beat it at a few MB).
 SAME_BYTES_COPY = "copy, same bytes"
 
 
