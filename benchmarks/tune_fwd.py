@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tuning import NVCC_FLAGS, timing
 
 ROOT = Path(__file__).resolve().parents[1]
 TUNE_DIR = ROOT / "build" / "tune"
@@ -44,22 +44,12 @@ ORIG_FILES = {
     "fused_add_rmsnorm/fused_add_rmsnorm_kernel.cuh": "orig_rms", "fused_add_rmsnorm/fused_add_rmsnorm.cu": "orig_rms",
     "fused_add_rmsnorm/fused_add_rmsnorm.cuh": "orig_rms", "fused_add_rmsnorm/fused_add_rmsnorm_plan.cuh": "orig_rms",
 }
-NVCC_FLAGS = [  # as the op builder compiles (opbuilder/builder.py, torch's cpp_extension defines)
-    "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
-    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Ikernels",
-    "-Iopbuilder/include", "-Xptxas", "-v",
-]
 OUT = Path(os.environ.get("OUT", "/tmp"))
 EPS = 1e-6
 ROTATE_CACHE_MULTIPLE = 4
 MAX_SETS = 256
 c_void_p, c_int, c_int64, c_double = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
 
-_spec = importlib.util.spec_from_file_location("opb_timing", ROOT / "opbuilder" / "bench" / "timing.py")
-timing = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = timing  # dataclasses look their module up there
-_spec.loader.exec_module(timing)
 
 results: dict = {"env": {}, "checks": [], "kernels": [], "times": []}
 

@@ -8,7 +8,7 @@
 //
 // Two families of kernels:
 //   *_reg: the row lives in registers (NV packs of VEC elements per thread, TPR threads per row).
-//          One read of x per pass of the op; variance is two-pass over the registers.
+//          One read of x per pass of the op; variance by Chan's merge of each thread's exact stats.
 //   *_any: any hidden size (huge rows, odd types): the row is streamed from global memory twice
 //          (the second read is mostly an L2 hit); variance by Chan's pairwise merge of per-pack stats.
 #pragma once
@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "common/cuda_types.cuh"
 
@@ -69,10 +71,49 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   return out;
 }
 
+// A pack of 16- or 32-bit elements held in registers as the words it was loaded in, widened to float
+// one element at a time where it is used: 8 bf16/fp16 then take 4 registers, where the compiler splits
+// a Pack into 8, one per element.
 template <typename T, int N>
+struct Words {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "16- or 32-bit elements");
+  unsigned u[(sizeof(T) * N + 3) / 4];
+
+  __device__ __forceinline__ void set(const Pack<T, N>& p) {
+    if constexpr (sizeof(p) >= 4) {
+      memcpy(u, &p, sizeof(u));
+    } else {
+      unsigned short h;
+      memcpy(&h, &p, sizeof(h));
+      u[0] = h;
+    }
+  }
+  // Every element = v.
+  __device__ __forceinline__ void fill(float v) {
+    Pack<T, N> p;
+#pragma unroll
+    for (int k = 0; k < N; ++k) p.v[k] = from_acc<T>(v);
+    set(p);
+  }
+  // Element k (a constant once the caller's loop is unrolled).
+  __device__ __forceinline__ float at(int k) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(u[k]);
+    } else {
+      const unsigned bits = k % 2 ? u[k / 2] >> 16 : u[k / 2] & 0xffffu;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(bits << 16);
+      else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    }
+  }
+};
+
+// Streaming (evict-first) or plain store.
+template <bool STREAM, typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& in) {
   constexpr int kBytes = sizeof(T) * N;
-  if constexpr (kBytes == 16) {
+  if constexpr (!STREAM) {
+    *reinterpret_cast<Pack<T, N>*>(p) = in;
+  } else if constexpr (kBytes == 16) {
     __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&in));
   } else if constexpr (kBytes == 8) {
     __stcs(reinterpret_cast<uint2*>(p), *reinterpret_cast<const uint2*>(&in));
@@ -91,24 +132,6 @@ __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
-}
-
-// Sum over the WARPS warps of a row; every thread gets the same value (fixed order: deterministic).
-// `smem` must hold WARPS values and not be reused by the caller until the next __syncthreads().
-template <int WARPS, typename A>
-__device__ __forceinline__ A row_sum(A v, A* smem) {
-  v = warp_sum(v);
-  if constexpr (WARPS == 1) {
-    return v;
-  } else {
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x % 32 == 0) smem[warp] = v;
-    __syncthreads();
-    A s = smem[0];
-#pragma unroll
-    for (int i = 1; i < WARPS; ++i) s += smem[i];
-    return s;
-  }
 }
 
 // Two sums at once over the WARPS warps of a row (one barrier instead of two).
@@ -138,23 +161,53 @@ struct Stats {
   A n, mean, m2;
 };
 
-// Chan et al.'s pairwise merge: exact for any split, no E[x^2] - E[x]^2 cancellation.
+// 1 / n for a count n >= 1. In float the hardware's approximate reciprocal (within an ulp) alone: the
+// correctly rounded one, and __fdividef too, add range checks and a slow path to every merge.
+__device__ __forceinline__ float recip(float n) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(n));
+  return r;
+}
+__device__ __forceinline__ double recip(double n) { return 1.0 / n; }
+
+// Chan et al.'s pairwise merge: exact for any split, no E[x^2] - E[x]^2 cancellation. Empty sets are
+// {0, 0, 0}. Symmetric to the bit (merge(a, b) == merge(b, a): each term is either symmetric or the
+// product of two terms that both change sign), so both partners of a butterfly shuffle get the same
+// result and every thread of a row ends with the same mean and rstd.
 template <typename A>
 __device__ __forceinline__ Stats<A> merge(Stats<A> a, Stats<A> b) {
   const A n = a.n + b.n;
-  if (n == A(0)) return a;
-  const A delta = b.mean - a.mean;
-  const A fb = b.n / n;
-  return {n, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.n * fb};
+  const A r = n > A(0) ? recip(n) : A(0);
+  const A d = b.mean - a.mean;
+  // (a.n a.mean + b.n b.mean) / n as the midpoint plus a correction that vanishes for equal counts.
+  const A mean = (a.mean + b.mean) * A(0.5) + (b.n - a.n) * A(0.5) * r * d;
+  // d * (d * w), not d * d * w: with one side empty, w = 0 and d is the other side's mean, whose square
+  // may overflow.
+  return {n, mean, a.m2 + b.m2 + d * (d * (a.n * b.n * r))};
 }
 
-template <typename A>
+// Merge over groups of SPAN consecutive lanes (a power of two <= 32); every lane gets its group's stats.
+template <int SPAN = 32, typename A>
 __device__ __forceinline__ Stats<A> warp_merge(Stats<A> s) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
+  for (int off = SPAN / 2; off > 0; off >>= 1) {
     Stats<A> o{__shfl_xor_sync(0xffffffffu, s.n, off), __shfl_xor_sync(0xffffffffu, s.mean, off),
                __shfl_xor_sync(0xffffffffu, s.m2, off)};
     s = merge(s, o);
+  }
+  return s;
+}
+
+// Merge over the WARPS warps of a row (one barrier); every thread gets the same stats. `smem` must hold
+// WARPS entries and not be reused by the caller until the next __syncthreads().
+template <int WARPS>
+__device__ __forceinline__ Stats<float> row_merge(Stats<float> s, Stats<float>* smem) {
+  static_assert(WARPS >= 1 && WARPS <= 32 && (WARPS & (WARPS - 1)) == 0, "WARPS: a power of two <= 32");
+  s = warp_merge(s);
+  if constexpr (WARPS > 1) {
+    if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = s;
+    __syncthreads();
+    s = warp_merge<WARPS>(smem[threadIdx.x % WARPS]);  // each warp merges all WARPS entries, like the others
   }
   return s;
 }
@@ -164,55 +217,64 @@ __device__ __forceinline__ Stats<A> warp_merge(Stats<A> s) {
 // TPR threads per row, ROWS rows per CTA (ROWS > 1 only when TPR == 32: a warp per row, no barrier).
 // Thread `lane` of a row holds packs i = 0..NV-1 at columns (i * TPR + lane) * VEC.
 // VEC > 1 only when hidden % VEC == 0 and every pointer is 16-byte aligned.
-template <typename T, int VEC, int NV, int TPR, int ROWS>
+// The mean and variance come from one merge of each thread's exact stats: one barrier, not two.
+// W_EARLY: the weight and bias are loaded with x, before the reduction, so that their round trip is
+// off the row's critical path; it costs 2 * NV packs of registers while the row is reduced.
+// Plain loads and stores: `__ldcs` / `__stcs` measured no faster here, and slower for relu and
+// add+RMSNorm (benchmarks/NOTES.md).
+template <typename T, int VEC, int NV, int TPR, int ROWS, bool W_EARLY>
 __global__ void __launch_bounds__(TPR * ROWS)
     fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
                    float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
   static_assert(ROWS == 1 || TPR == 32, "several rows per CTA only with a warp per row");
   constexpr int WARPS = TPR / 32;
-  __shared__ float red_mean[WARPS];
-  __shared__ float red_var[WARPS];
+  __shared__ Stats<float> red[WARPS];
 
   const int lane = threadIdx.x % TPR;
   const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.x / TPR;
   if (row >= rows) return;  // a whole warp (ROWS > 1) or the whole CTA (ROWS == 1): no barrier skipped
   const T* xr = x + row * hidden;
-
-  float v[NV][VEC];
+  // Without a weight (bias), ones (zeros): y's arithmetic is the same either way.
+  auto load_wb = [&](Words<T, VEC>& pw, Words<T, VEC>& pb, int col) {
+    if (w != nullptr) pw.set(load_pack<false, T, VEC>(w + col)); else pw.fill(1.f);
+    if (b != nullptr) pb.set(load_pack<false, T, VEC>(b + col)); else pb.fill(0.f);
+  };
+  Words<T, VEC> px[NV], pw[NV], pb[NV];
+  int n = 0;  // this thread's elements
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int col = (i * TPR + lane) * VEC;
     if (col < hidden) {
-      Pack<T, VEC> p = load_pack<true, T, VEC>(xr + col);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) v[i][k] = relu(to_acc(p.v[k]));
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) v[i][k] = 0.f;
+      px[i].set(load_pack<false, T, VEC>(xr + col));
+      if constexpr (W_EARLY) load_wb(pw[i], pb[i], col);
+      n += VEC;
     }
   }
 
+  // This thread's exact mean and squared deviations, then the row's.
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < NV; ++i)
+  for (int i = 0; i < NV; ++i) {
+    if ((i * TPR + lane) * VEC < hidden) {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) sum += v[i][k];
-  const float inv_n = 1.f / float(hidden);
-  const float mean = row_sum<WARPS>(sum, red_mean) * inv_n;
-
-  float sq = 0.f;
+      for (int k = 0; k < VEC; ++k) sum += relu(px[i].at(k));
+    }
+  }
+  const float own_mean = n > 0 ? sum * recip(float(n)) : 0.f;
+  float m2 = 0.f;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     if ((i * TPR + lane) * VEC < hidden) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const float d = v[i][k] - mean;
-        sq += d * d;
+        const float d = relu(px[i].at(k)) - own_mean;
+        m2 += d * d;
       }
     }
   }
-  const float var = row_sum<WARPS>(sq, red_var) * inv_n;
-  const float rstd = rsqrtf(var + eps);
+  const Stats<float> st = row_merge<WARPS>(Stats<float>{float(n), own_mean, m2}, red);
+  const float mean = st.mean;
+  const float rstd = rsqrtf(st.m2 * recip(float(hidden)) + eps);
   if (lane == 0) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
@@ -223,27 +285,12 @@ __global__ void __launch_bounds__(TPR * ROWS)
   for (int i = 0; i < NV; ++i) {
     const int col = (i * TPR + lane) * VEC;
     if (col < hidden) {
-      float wv[VEC], bv[VEC];
-      if (w != nullptr) {
-        Pack<T, VEC> p = load_pack<false, T, VEC>(w + col);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) wv[k] = to_acc(p.v[k]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) wv[k] = 1.f;
-      }
-      if (b != nullptr) {
-        Pack<T, VEC> p = load_pack<false, T, VEC>(b + col);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) bv[k] = to_acc(p.v[k]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) bv[k] = 0.f;
-      }
+      if constexpr (!W_EARLY) load_wb(pw[i], pb[i], col);
       Pack<T, VEC> out;
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out.v[k] = from_acc<T>((v[i][k] - mean) * rstd * wv[k] + bv[k]);
-      store_pack(yr + col, out);
+      for (int k = 0; k < VEC; ++k)
+        out.v[k] = from_acc<T>((relu(px[i].at(k)) - mean) * rstd * pw[i].at(k) + pb[i].at(k));
+      store_pack<false>(yr + col, out);
     }
   }
 }
@@ -358,7 +405,7 @@ __global__ void __launch_bounds__(TPR * ROWS)
           const float grad = cur.rstd * (g - (xhat * c1 + c2));
           out.v[k] = from_acc<T>(xv <= 0.f ? 0.f : grad);  // relu's gradient, as threshold_backward
         }
-        store_pack(dxr + col, out);
+        store_pack<true>(dxr + col, out);
       }
     }
     cur = nxt;
@@ -464,7 +511,7 @@ __global__ void __launch_bounds__(1024)
         if (b != nullptr) v += to_acc(pb.v[k]);
         out.v[k] = from_acc<T>(v);
       }
-      store_pack(yr + col, out);
+      store_pack<true>(yr + col, out);
     }
   }
 }
@@ -531,7 +578,7 @@ __global__ void __launch_bounds__(1024)
         const A d = rstd * (g - (xhat * c1 + c2));
         out.v[k] = from_acc<T>(xv <= A(0) ? A(0) : d);
       }
-      store_pack(dxr + col, out);
+      store_pack<true>(dxr + col, out);
     }
   }
 }

@@ -26,12 +26,17 @@ constexpr int kVec = 16 / sizeof(T);
 
 // ---- forward --------------------------------------------------------------------------------------
 
+// W_EARLY for NV <= 3: at 3 packs a lane (bf16 768, a warp a row) 10.3 us early, 11.2 late. At 4 packs
+// the weight and bias beside x take 64-71 registers instead of 40 (spilling at 256 and 512 threads),
+// and bf16 4096 at 128 x 4 ran 186.6 us early, 185.0 late.
+// ROWS, for a warp a row: 2 at 3 packs (bf16 768: 9.6 us; with 1, 4, 8 rows 10.1, 10.3, 9.8), else 4
+// (not measured with this kernel). H100, benchmarks/quick_layernorm.py (benchmarks/NOTES.md).
 template <typename T, int VEC, int NV, int TPR>
 cudaError_t fwd_reg(const FwdArgs& a, cudaStream_t stream) {
-  constexpr int ROWS = TPR == 32 ? 4 : 1;  // 128-thread CTAs for a warp per row
+  constexpr int ROWS = TPR == 32 ? (NV == 3 ? 2 : 4) : 1;
   const int64_t blocks = (a.rows + ROWS - 1) / ROWS;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  fwd_reg_kernel<T, VEC, NV, TPR, ROWS><<<static_cast<unsigned>(blocks), TPR * ROWS, 0, stream>>>(
+  fwd_reg_kernel<T, VEC, NV, TPR, ROWS, (NV <= 3)><<<static_cast<unsigned>(blocks), TPR * ROWS, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.b), static_cast<T*>(a.y),
       static_cast<float*>(a.mean), static_cast<float*>(a.rstd), a.rows, static_cast<int>(a.hidden),
       static_cast<float>(a.eps));
@@ -56,12 +61,15 @@ cudaError_t fwd_any(const FwdArgs& a, cudaStream_t stream) {
 }
 
 // TPR threads per row, NV packs per thread: the smallest row group that holds the row in registers
-// (at most 32 floats of data per thread), else the streaming kernel.
+// (at most 32 floats of data per thread), else the streaming kernel. Fewer packs a thread over more
+// threads lose: every thread merges the row's statistics, so the merge's instructions grow with the
+// threads (bf16 4096: 128 x 4 185.0 us, 256 x 2 202.7, 512 x 1 274.1).
 template <typename T, int VEC>
 cudaError_t fwd_dispatch(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = (a.hidden + VEC - 1) / VEC;
   if (nvec <= 32) return fwd_reg<T, VEC, 1, 32>(a, stream);
   if (nvec <= 64) return fwd_reg<T, VEC, 2, 32>(a, stream);
+  if (nvec <= 96) return fwd_reg<T, VEC, 3, 32>(a, stream);
   if (nvec <= 128) return fwd_reg<T, VEC, 4, 32>(a, stream);
   if (nvec <= 256) return fwd_reg<T, VEC, 4, 64>(a, stream);
   if (nvec <= 512) return fwd_reg<T, VEC, 4, 128>(a, stream);
