@@ -7,8 +7,10 @@ rounded h, with fp32 accumulation (fp64 for float64 inputs). So ``out == rms_nor
 in an unfused model that adds in its own dtype and then normalises, and the next layer's residual is
 exactly the tensor that was normalised. Outputs are contiguous, shaped like ``input``.
 
-Backward: ``grad_input == grad_residual`` (one tensor, returned for both), and ``grad_weight``, summed
-over rows in a fixed order (deterministic run to run).
+Backward: ``grad_input == grad_residual``, and ``grad_weight``, summed over rows in a fixed order
+(deterministic run to run). Inside a model (input and residual made by earlier ops) one tensor serves as
+both input gradients. When both are leaves, autograd would clone a shared tensor for the second ``.grad``
+(a read and a write of it), so the kernel writes the two tensors itself (a write only).
 
 Layers: ``FusedAddRMSNorm`` (Llama-style ``(normed, new_residual) = norm(x, residual)``) and
 ``RMSNorm``, with a ``weight`` parameter initialised to ones, as ``torch.nn.RMSNorm``. ``RMSNorm``
@@ -47,20 +49,32 @@ def _register(ns: str) -> None:
     def _(grad_out, grad_residual_out, residual_out, weight, eps):
         return residual_out.new_empty(residual_out.shape), weight.new_empty(weight.shape)
 
+    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm_backward.two_grads")
+    def _(grad_out, grad_residual_out, residual_out, weight, eps):
+        return (residual_out.new_empty(residual_out.shape), residual_out.new_empty(residual_out.shape),
+                weight.new_empty(weight.shape))
+
     def setup_fused(ctx, inputs, output) -> None:
-        _, _, weight, eps = inputs
+        input, residual, weight, eps = inputs
         ctx.save_for_backward(output[1], weight)
         ctx.eps = eps
+        ctx.leaf_inputs = input.is_leaf and residual.is_leaf
 
     def backward_fused(ctx, grad_out, grad_residual_out):
         residual_out, weight = ctx.saved_tensors
-        grad_h, grad_weight = lib.fused_add_rmsnorm_backward.default(
-            grad_out, grad_residual_out, residual_out, weight, ctx.eps
-        )
         need = ctx.needs_input_grad
+        if need[0] and need[1] and ctx.leaf_inputs:
+            grad_input, grad_residual, grad_weight = lib.fused_add_rmsnorm_backward.two_grads(
+                grad_out, grad_residual_out, residual_out, weight, ctx.eps
+            )
+        else:
+            grad_input, grad_weight = lib.fused_add_rmsnorm_backward.default(
+                grad_out, grad_residual_out, residual_out, weight, ctx.eps
+            )
+            grad_residual = grad_input
         return (
-            grad_h if need[0] else None,
-            grad_h if need[1] else None,
+            grad_input if need[0] else None,
+            grad_residual if need[1] else None,
             grad_weight if need[2] else None,
             None,
         )

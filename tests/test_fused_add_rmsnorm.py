@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import DEVICES, requires_cuda
 from reference import TOLERANCES, assert_close_to_ref
 
@@ -211,6 +212,47 @@ def test_backward_matches_float64_reference(case, with_residual_grad):
     assert_close_to_ref(w.grad, ew, dtype, scale * 4)
 
 
+class _OpsCalled(TorchDispatchMode):
+    """Records the name of every op (with its overload) that runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops_and_copies(out: torch.Tensor, res: torch.Tensor) -> tuple[list[str], set[str]]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, _OpsCalled() as ops:
+        torch.autograd.backward([out, res], [torch.randn_like(out), torch.randn_like(res)])
+    backward = [n for n in ops.names if "fused_add_rmsnorm_backward" in n]
+    return backward, {e.key for e in prof.key_averages()} & {"aten::clone", "aten::copy_"}
+
+
+def test_leaf_inputs_get_two_gradients_without_a_copy():
+    """Input and residual leaves get two gradient tensors, both written by the backward op: handed one
+    tensor for both, autograd would clone it (a full read and write, more than a second write)."""
+    x, r, w = make((16, 64), torch.float32, "cpu", requires_grad=True)
+    backward, copies = _backward_ops_and_copies(*fused_add_rmsnorm(x, r, w, EPS))
+    assert [n.rsplit(".", 1)[-1] for n in backward] == ["two_grads"]
+    assert not copies, f"the backward copied a gradient: {copies}"
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+    torch.testing.assert_close(x.grad, r.grad, rtol=0, atol=0)
+
+
+def test_inputs_made_by_earlier_ops_share_one_gradient():
+    """Inside a model the two input gradients flow on to other ops, which only read them: one tensor
+    serves both (no second write, and autograd copies nothing)."""
+    x0, r0, w = make((16, 64), torch.float32, "cpu", requires_grad=True)
+    x, r = x0.exp(), r0.exp()  # their backward multiplies; nothing else there copies
+    backward, copies = _backward_ops_and_copies(*fused_add_rmsnorm(x, r, w, EPS))
+    assert [n.rsplit(".", 1)[-1] for n in backward] == ["default"]
+    assert not copies, f"the backward copied a gradient: {copies}"
+    torch.testing.assert_close(x0.grad / x.detach(), r0.grad / r.detach(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rms_norm_backward_matches_torch(device):
     x = torch.randn(50, 300, device=device, dtype=torch.float64, requires_grad=True)
@@ -256,6 +298,9 @@ def test_opcheck(device):
     gy, gr = torch.randn_like(xd), torch.randn_like(xd)
     torch.library.opcheck(fused_add_rmsnorm_backward_op(), (gy, gr, xd, wd, EPS))
     torch.library.opcheck(fused_add_rmsnorm_backward_op(), (gy, None, xd, wd, EPS))
+    two_grads = fused_add_rmsnorm_backward_op().overloadpacket.two_grads
+    torch.library.opcheck(two_grads, (gy, gr, xd, wd, EPS))
+    torch.library.opcheck(two_grads, (gy, None, xd, wd, EPS))
 
 
 class _Block(torch.nn.Module):

@@ -2,10 +2,13 @@
 //
 //   fused_add_rmsnorm(input, residual, weight, eps) -> (out, residual_out)
 //   fused_add_rmsnorm_backward(grad_out, grad_residual_out?, residual_out, weight, eps) -> (grad_input, grad_weight)
+//   fused_add_rmsnorm_backward.two_grads(same) -> (grad_input, grad_residual, grad_weight)
 //   rms_norm(input, weight, eps) -> out                      (no residual: nothing extra read or written)
 //
-// grad_input is the gradient of both input and residual. rms_norm's backward is
-// fused_add_rmsnorm_backward with residual_out = rms_norm's input and no grad_residual_out.
+// grad_input is the gradient of both input and residual. two_grads returns it twice, as two tensors
+// written by one kernel: autograd, handed one tensor for two inputs, clones it (a full read and write more).
+// rms_norm's backward is fused_add_rmsnorm_backward with residual_out = rms_norm's input and no
+// grad_residual_out.
 #include <opbuilder/binding.h>
 
 #include "common/huge_pages.h"
@@ -130,10 +133,11 @@ at::Tensor rms_norm_impl(const at::Tensor& input, const at::Tensor& weight, doub
 
 // ---- backward --------------------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& grad_out,
-                                                 const std::optional<at::Tensor>& grad_residual_out,
-                                                 const at::Tensor& residual_out, const at::Tensor& weight,
-                                                 double eps) {
+// two_grads: the second tensor is a copy of grad_input; else it is undefined.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_common(const at::Tensor& grad_out,
+                                                               const std::optional<at::Tensor>& grad_residual_out,
+                                                               const at::Tensor& residual_out,
+                                                               const at::Tensor& weight, double eps, bool two_grads) {
   const Rows s = check_x_and_weight(kBwd, residual_out, "residual_out", weight, eps);
   check_like(kBwd, residual_out, "residual_out", grad_out, "grad_out");
   if (grad_residual_out.has_value()) {
@@ -143,24 +147,40 @@ std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& grad_out,
   std::optional<at::Tensor> gr;
   if (grad_residual_out.has_value()) gr = prepare(*grad_residual_out);
   at::Tensor grad_h = new_output(h);
+  at::Tensor grad_h2 = two_grads ? new_output(h) : at::Tensor();
+  void* grad_h2_ptr = two_grads ? grad_h2.mutable_data_ptr() : nullptr;
   at::Tensor grad_w = w.new_empty(w.sizes());
-  if (s.rows == 0) return {grad_h, grad_w.zero_()};  // no rows: the weight gradient is an empty sum
+  if (s.rows == 0) return {grad_h, grad_h2, grad_w.zero_()};  // no rows: the weight gradient is an empty sum
   const opb::DType dt = opb::dtype_of(h, kBwd, "residual_out");
   if (h.is_cpu()) {
     k::backward_cpu(gy.const_data_ptr(), ptr_or_null(gr), h.const_data_ptr(), w.const_data_ptr(),
-                    grad_h.mutable_data_ptr(), grad_w.mutable_data_ptr(), s.rows, s.hidden, eps, dt);
+                    grad_h.mutable_data_ptr(), grad_h2_ptr, grad_w.mutable_data_ptr(), s.rows, s.hidden, eps, dt);
   } else {
 #ifdef OPB_WITH_CUDA
     c10::cuda::CUDAGuard guard(h.device());
     const int64_t ws_size = k::backward_workspace_size(s.rows, s.hidden, dt);
     at::Tensor ws = h.new_empty({ws_size}, h.options().dtype(dt == opb::DType::Float64 ? at::kDouble : at::kFloat));
     opb::check_launch(k::launch_backward(gy.const_data_ptr(), ptr_or_null(gr), h.const_data_ptr(), w.const_data_ptr(),
-                                         grad_h.mutable_data_ptr(), grad_w.mutable_data_ptr(), ws.mutable_data_ptr(),
-                                         ws_size, s.rows, s.hidden, eps, dt, opb::stream_of(h)),
+                                         grad_h.mutable_data_ptr(), grad_h2_ptr, grad_w.mutable_data_ptr(),
+                                         ws.mutable_data_ptr(), ws_size, s.rows, s.hidden, eps, dt, opb::stream_of(h)),
                       kBwd);
 #endif
   }
+  return {grad_h, grad_h2, grad_w};
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_impl(const at::Tensor& grad_out,
+                                                 const std::optional<at::Tensor>& grad_residual_out,
+                                                 const at::Tensor& residual_out, const at::Tensor& weight,
+                                                 double eps) {
+  auto [grad_h, unused, grad_w] = backward_common(grad_out, grad_residual_out, residual_out, weight, eps, false);
   return {grad_h, grad_w};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_two_grads_impl(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
+    const at::Tensor& weight, double eps) {
+  return backward_common(grad_out, grad_residual_out, residual_out, weight, eps, true);
 }
 
 }  // namespace
@@ -170,12 +190,16 @@ OPB_LIBRARY(m) {
   m.def(
       "fused_add_rmsnorm_backward(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, Tensor weight, "
       "float eps) -> (Tensor, Tensor)");
+  m.def(
+      "fused_add_rmsnorm_backward.two_grads(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, "
+      "Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
 }
 
 OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("fused_add_rmsnorm", &fused_add_rmsnorm_impl);
   m.impl("fused_add_rmsnorm_backward", &backward_impl);
+  m.impl("fused_add_rmsnorm_backward.two_grads", &backward_two_grads_impl);
   m.impl("rms_norm", &rms_norm_impl);
 }
 
@@ -183,6 +207,7 @@ OPB_LIBRARY_IMPL(CPU, m) {
 OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("fused_add_rmsnorm", &fused_add_rmsnorm_impl);
   m.impl("fused_add_rmsnorm_backward", &backward_impl);
+  m.impl("fused_add_rmsnorm_backward.two_grads", &backward_two_grads_impl);
   m.impl("rms_norm", &rms_norm_impl);
 }
 #endif

@@ -25,9 +25,10 @@ int64_t backward_workspace_size(int64_t rows, int64_t hidden, DType dtype);
 // grad_out, h (the forward's residual_out, or RMSNorm's input), grad_h: [rows, hidden]; weight,
 // grad_weight: [hidden]; grad_residual_out: [rows, hidden] or nullptr (no gradient flows into
 // residual_out). workspace: backward_workspace_size() elements, any contents.
-// grad_h is the gradient of both input and residual.
+// grad_h is the gradient of both input and residual; grad_h2 ([rows, hidden] or nullptr) gets a copy of
+// it, written with it.
 cudaError_t launch_backward(const void* grad_out, const void* grad_residual_out, const void* h, const void* weight,
-                            void* grad_h, void* grad_weight, void* workspace, int64_t workspace_size, int64_t rows,
-                            int64_t hidden, double eps, DType dtype, cudaStream_t stream);
+                            void* grad_h, void* grad_h2, void* grad_weight, void* workspace, int64_t workspace_size,
+                            int64_t rows, int64_t hidden, double eps, DType dtype, cudaStream_t stream);
 
 }  // namespace opb::fused_add_rmsnorm

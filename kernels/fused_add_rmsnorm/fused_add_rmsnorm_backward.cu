@@ -94,8 +94,8 @@ Plan make_plan(int64_t rows, int64_t hidden) {
 
 template <typename T>
 cudaError_t backward_typed(const T* grad_out, const T* grad_res, const T* h, const T* weight, T* grad_h,
-                           T* grad_weight, acc_t<T>* workspace, int64_t workspace_size, int64_t rows, int64_t hidden,
-                           double eps, cudaStream_t stream) {
+                           T* grad_h2, T* grad_weight, acc_t<T>* workspace, int64_t workspace_size, int64_t rows,
+                           int64_t hidden, double eps, cudaStream_t stream) {
   using A = acc_t<T>;
   const Plan p = make_plan<T>(rows, hidden);
   if (p.workspace(rows, hidden) != workspace_size) return cudaErrorInvalidValue;
@@ -107,7 +107,7 @@ cudaError_t backward_typed(const T* grad_out, const T* grad_res, const T* h, con
       const float feps = static_cast<float>(eps);
 #define OPB_BWD_ROWS(NV)                                                                                     \
   backward_rows_kernel<T, NV><<<static_cast<unsigned>(p.grid), p.rp.threads, p.smem, stream>>>(              \
-      grad_out, grad_res, h, weight, grad_h, partial, rows, nvec, p.rp.tpr, inv_hidden, feps)
+      grad_out, grad_res, h, weight, grad_h, grad_h2, partial, rows, nvec, p.rp.tpr, inv_hidden, feps)
       switch (p.rp.nv) {
         case 1: OPB_BWD_ROWS(1); break;
         default: OPB_BWD_ROWS(2); break;
@@ -124,12 +124,12 @@ cudaError_t backward_typed(const T* grad_out, const T* grad_res, const T* h, con
       backward_stats_kernel<T, N><<<static_cast<unsigned>(rows), plan::loop_threads(hidden / N), 0, stream>>>(
           grad_out, h, weight, stats, hidden, inv_hidden, static_cast<A>(eps));
       backward_tile_kernel<T, N><<<tiles, kTileThreads, 0, stream>>>(grad_out, grad_res, h, weight, stats, grad_h,
-                                                                     partial, rows, hidden, p.rows_per_chunk);
+                                                                     grad_h2, partial, rows, hidden, p.rows_per_chunk);
     } else {
       backward_stats_kernel<T, 1><<<static_cast<unsigned>(rows), plan::loop_threads(hidden), 0, stream>>>(
           grad_out, h, weight, stats, hidden, inv_hidden, static_cast<A>(eps));
       backward_tile_kernel<T, 1><<<tiles, kTileThreads, 0, stream>>>(grad_out, grad_res, h, weight, stats, grad_h,
-                                                                     partial, rows, hidden, p.rows_per_chunk);
+                                                                     grad_h2, partial, rows, hidden, p.rows_per_chunk);
     }
   }
   const cudaError_t err = cudaGetLastError();
@@ -141,11 +141,12 @@ cudaError_t backward_typed(const T* grad_out, const T* grad_res, const T* h, con
 
 template <typename T>
 cudaError_t backward_cast(const void* grad_out, const void* grad_res, const void* h, const void* weight, void* grad_h,
-                          void* grad_weight, void* workspace, int64_t workspace_size, int64_t rows, int64_t hidden,
-                          double eps, cudaStream_t stream) {
+                          void* grad_h2, void* grad_weight, void* workspace, int64_t workspace_size, int64_t rows,
+                          int64_t hidden, double eps, cudaStream_t stream) {
   return backward_typed(static_cast<const T*>(grad_out), static_cast<const T*>(grad_res), static_cast<const T*>(h),
-                        static_cast<const T*>(weight), static_cast<T*>(grad_h), static_cast<T*>(grad_weight),
-                        static_cast<acc_t<T>*>(workspace), workspace_size, rows, hidden, eps, stream);
+                        static_cast<const T*>(weight), static_cast<T*>(grad_h), static_cast<T*>(grad_h2),
+                        static_cast<T*>(grad_weight), static_cast<acc_t<T>*>(workspace), workspace_size, rows, hidden,
+                        eps, stream);
 }
 
 }  // namespace
@@ -162,27 +163,24 @@ int64_t backward_workspace_size(int64_t rows, int64_t hidden, DType dtype) {
 }
 
 cudaError_t launch_backward(const void* grad_out, const void* grad_residual_out, const void* h, const void* weight,
-                            void* grad_h, void* grad_weight, void* workspace, int64_t workspace_size, int64_t rows,
-                            int64_t hidden, double eps, DType dtype, cudaStream_t stream) {
+                            void* grad_h, void* grad_h2, void* grad_weight, void* workspace, int64_t workspace_size,
+                            int64_t rows, int64_t hidden, double eps, DType dtype, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (!aligned16(grad_out) || !aligned16(h) || !aligned16(weight) || !aligned16(grad_h) ||
       !aligned16(grad_weight) || !aligned16(workspace) ||
-      (grad_residual_out != nullptr && !aligned16(grad_residual_out))) {
+      (grad_residual_out != nullptr && !aligned16(grad_residual_out)) || (grad_h2 != nullptr && !aligned16(grad_h2))) {
     return cudaErrorMisalignedAddress;
   }
   switch (dtype) {
-    case DType::Float32:
-      return backward_cast<float>(grad_out, grad_residual_out, h, weight, grad_h, grad_weight, workspace,
-                                  workspace_size, rows, hidden, eps, stream);
-    case DType::Float16:
-      return backward_cast<__half>(grad_out, grad_residual_out, h, weight, grad_h, grad_weight, workspace,
-                                   workspace_size, rows, hidden, eps, stream);
-    case DType::BFloat16:
-      return backward_cast<__nv_bfloat16>(grad_out, grad_residual_out, h, weight, grad_h, grad_weight, workspace,
-                                          workspace_size, rows, hidden, eps, stream);
-    case DType::Float64:
-      return backward_cast<double>(grad_out, grad_residual_out, h, weight, grad_h, grad_weight, workspace,
-                                   workspace_size, rows, hidden, eps, stream);
+#define OPB_CASE(D, T)                                                                                       \
+  case DType::D:                                                                                             \
+    return backward_cast<T>(grad_out, grad_residual_out, h, weight, grad_h, grad_h2, grad_weight, workspace, \
+                            workspace_size, rows, hidden, eps, stream);
+    OPB_CASE(Float32, float)
+    OPB_CASE(Float16, __half)
+    OPB_CASE(BFloat16, __nv_bfloat16)
+    OPB_CASE(Float64, double)
+#undef OPB_CASE
   }
   return cudaErrorInvalidValue;
 }

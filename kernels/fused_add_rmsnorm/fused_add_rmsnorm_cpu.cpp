@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common/acc_type.h"
@@ -118,8 +119,8 @@ void backward_row(const T* gy, const T* gr, const T* h, const T* w, T* dh, A* dw
 }
 
 template <typename T>
-void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* dw, int64_t rows, int64_t hidden,
-                    double eps) {
+void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* dh2, T* dw, int64_t rows,
+                    int64_t hidden, double eps) {
   using A = typename AccOf<T>::type;
   // Rows are cut into a few chunks per thread; each chunk sums its weight gradient in its own row of
   // `partial`, and the chunks are added in order at the end.
@@ -135,6 +136,7 @@ void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* 
         const int64_t o = row * hidden;
         backward_row<T, A>(gy + o, gr != nullptr ? gr + o : nullptr, h + o, w, dh + o, dwc, hidden,
                            static_cast<A>(eps));
+        if (dh2 != nullptr) std::memcpy(dh2 + o, dh + o, static_cast<size_t>(hidden) * sizeof(T));  // still in cache
       }
     }
   });
@@ -167,14 +169,14 @@ void forward_cpu(const void* input, const void* residual, const void* weight, vo
 }
 
 void backward_cpu(const void* grad_out, const void* grad_residual_out, const void* h, const void* weight, void* grad_h,
-                  void* grad_weight, int64_t rows, int64_t hidden, double eps, DType dtype) {
+                  void* grad_h2, void* grad_weight, int64_t rows, int64_t hidden, double eps, DType dtype) {
   if (rows <= 0 || hidden <= 0) return;
   switch (dtype) {
 #define OPB_CASE(D, T)                                                                                            \
   case DType::D:                                                                                                  \
     return backward_typed(static_cast<const T*>(grad_out), static_cast<const T*>(grad_residual_out),             \
                           static_cast<const T*>(h), static_cast<const T*>(weight), static_cast<T*>(grad_h),      \
-                          static_cast<T*>(grad_weight), rows, hidden, eps);
+                          static_cast<T*>(grad_h2), static_cast<T*>(grad_weight), rows, hidden, eps);
     OPB_CASE(Float32, float)
     OPB_CASE(Float16, c10::Half)
     OPB_CASE(BFloat16, c10::BFloat16)

@@ -16,8 +16,9 @@ void forward_cpu(const void* input, const void* residual, const void* weight, vo
 
 // grad_out, h (the forward's residual_out, or RMSNorm's input), grad_h: [rows, hidden];
 // grad_residual_out: [rows, hidden] or nullptr; weight, grad_weight: [hidden].
-// grad_h is the gradient of both input and residual. Deterministic for a given thread count.
+// grad_h is the gradient of both input and residual; grad_h2 (nullable) gets a copy of each row of it.
+// Deterministic for a given thread count.
 void backward_cpu(const void* grad_out, const void* grad_residual_out, const void* h, const void* weight, void* grad_h,
-                  void* grad_weight, int64_t rows, int64_t hidden, double eps, DType dtype);
+                  void* grad_h2, void* grad_weight, int64_t rows, int64_t hidden, double eps, DType dtype);
 
 }  // namespace opb::fused_add_rmsnorm

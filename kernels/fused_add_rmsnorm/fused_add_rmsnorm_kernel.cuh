@@ -140,14 +140,15 @@ __device__ __forceinline__ void row_sum2(A& a, A& b, int tpr, A* buf) {
   b = tb;
 }
 
-template <typename A>
+// TPR > 0: the block size, known at compile time (the sum over warps unrolled).
+template <int TPR, typename A>
 __device__ __forceinline__ A row_sum(A a, int tpr, A* buf) {
   a = group_sum(a, tpr < 32 ? tpr : 32);
   if (tpr <= 32) return a;
   if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = a;
   __syncthreads();
   A t = 0;
-  const int warps = blockDim.x >> 5;
+  const int warps = (TPR > 0 ? TPR : blockDim.x) >> 5;
   for (int i = 0; i < warps; ++i) t += buf[i];
   return t;
 }
@@ -169,13 +170,15 @@ __device__ __forceinline__ V load_row(const T* p, int64_t i) {
 // Block: (blockDim.x / tpr) rows of tpr threads; thread `lane` of a row owns packs lane + j * tpr.
 // W_EARLY: the weight is loaded with the row, before the reduction, instead of after it (off the row's
 // critical path, for NV more registers). STREAM: __ldcs loads of input and residual, else plain loads.
-template <typename T, int NV, bool W_EARLY, bool STREAM>
+// TPR > 0: tpr known at compile time (index math by shifts, the reduction unrolled); 0: tpr_arg.
+template <typename T, int NV, bool W_EARLY, bool STREAM, int TPR = 0>
 __global__ void __launch_bounds__(512)
     forward_rows_kernel(const T* __restrict__ input, const T* __restrict__ residual, const T* __restrict__ weight,
-                        T* __restrict__ out, T* __restrict__ residual_out, int64_t rows, int nvec, int tpr,
+                        T* __restrict__ out, T* __restrict__ residual_out, int64_t rows, int nvec, int tpr_arg,
                         float inv_hidden, float eps) {
   using V = Vec<T, kPack<T>>;
   constexpr int P = V::N;
+  const int tpr = TPR > 0 ? TPR : tpr_arg;
   __shared__ float buf[64];
   const int lane = threadIdx.x % tpr;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / tpr) + threadIdx.x / tpr;
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  ss = row_sum(ss, tpr, buf);
+  ss = row_sum<TPR>(ss, tpr, buf);
   const float rstd = rsqrt_acc(ss * inv_hidden + eps);
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
@@ -263,7 +266,7 @@ __global__ void __launch_bounds__(1024)
       ss += v * v;
     }
   }
-  ss = row_sum(ss, static_cast<int>(blockDim.x), buf);
+  ss = row_sum<0>(ss, static_cast<int>(blockDim.x), buf);
   const A rstd = rsqrt_acc(ss * inv_hidden + eps);
   const T* src = residual != nullptr ? residual_out : input;
   for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
@@ -281,7 +284,10 @@ __global__ void __launch_bounds__(1024)
 
 // ---- backward ------------------------------------------------------------------------------------
 
-// grad_out, grad_res (nullable), h, grad_h: [rows, nvec * P]; weight: [nvec * P]; 16-byte aligned.
+// grad_out, grad_res (nullable), h, grad_h, grad_h2 (nullable): [rows, nvec * P]; weight: [nvec * P];
+// 16-byte aligned. grad_h2 gets a second copy of grad_h, stored from the same registers: autograd needs
+// one tensor each for input and residual, and given one tensor twice it would clone it (a read and a
+// write, where this is one write).
 // Blocks loop over rows (grid = what fits on the GPU at once), so each block sums the weight gradient
 // of many rows before writing one row of partial: [gridDim.x, hidden] fp32. The running sums live in
 // dynamic shared memory, [rows per block, hidden] floats, each entry touched only by its owner thread
@@ -289,8 +295,8 @@ __global__ void __launch_bounds__(1024)
 template <typename T, int NV>
 __global__ void __launch_bounds__(512, 2)
     backward_rows_kernel(const T* __restrict__ grad_out, const T* __restrict__ grad_res, const T* __restrict__ h,
-                         const T* __restrict__ weight, T* __restrict__ grad_h, float* __restrict__ partial,
-                         int64_t rows, int nvec, int tpr, float inv_hidden, float eps) {
+                         const T* __restrict__ weight, T* __restrict__ grad_h, T* __restrict__ grad_h2,
+                         float* __restrict__ partial, int64_t rows, int nvec, int tpr, float inv_hidden, float eps) {
   using V = Vec<T, kPack<T>>;
   constexpr int P = V::N;
   using F = Vec<float, P>;
@@ -365,6 +371,7 @@ __global__ void __launch_bounds__(512, 2)
         V o;
         from_acc_n(o, d);
         store(grad_h, base + idx, o);
+        if (grad_h2 != nullptr) store(grad_h2, base + idx, o);
         my_dw[idx] = acc;
       }
     }
@@ -411,14 +418,15 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// Any hidden size, pass 2 of 2: grad_h elementwise, and the weight gradient of a tile of
-// (rows_per_chunk rows) x (blockDim.x vectors). Grid: (column tiles, row chunks).
+// Any hidden size, pass 2 of 2: grad_h (and grad_h2, nullable: its copy) elementwise, and the weight
+// gradient of a tile of (rows_per_chunk rows) x (blockDim.x vectors). Grid: (column tiles, row chunks).
 // partial: [gridDim.y, hidden].
 template <typename T, int N>
 __global__ void __launch_bounds__(256)
     backward_tile_kernel(const T* __restrict__ grad_out, const T* __restrict__ grad_res, const T* __restrict__ h,
                          const T* __restrict__ weight, const acc_t<T>* __restrict__ stats, T* __restrict__ grad_h,
-                         acc_t<T>* __restrict__ partial, int64_t rows, int64_t hidden, int64_t rows_per_chunk) {
+                         T* __restrict__ grad_h2, acc_t<T>* __restrict__ partial, int64_t rows, int64_t hidden,
+                         int64_t rows_per_chunk) {
   using A = acc_t<T>;
   using V = Vec<T, N>;
   const int64_t units = hidden / N;
@@ -451,6 +459,7 @@ __global__ void __launch_bounds__(256)
     V o;
     from_acc_n(o, d);
     store(grad_h, i, o);
+    if (grad_h2 != nullptr) store(grad_h2, i, o);
   }
   A* dst = partial + int64_t(blockIdx.y) * hidden + u * N;
 #pragma unroll
