@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/huge_pages.h"
 #include "fused_relu_layernorm_cpu.h"
 #ifdef OPB_WITH_CUDA
 #include "fused_relu_layernorm.cuh"
@@ -71,6 +72,7 @@ Tensor3 forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weigh
                      const std::optional<at::Tensor>& bias, double eps, Run run) {
   FwdInputs in = prepare_forward(x, weight, bias);
   at::Tensor y = in.x.new_empty(in.x.sizes());
+  if (y.is_cpu()) opb::advise_huge_pages(y.mutable_data_ptr(), y.nbytes());
   const auto stats_opts = in.x.options().dtype(stats_type(in.x));
   at::Tensor mean = in.x.new_empty(leading_sizes(in.x), stats_opts);
   at::Tensor rstd = in.x.new_empty(leading_sizes(in.x), stats_opts);
@@ -127,6 +129,7 @@ Tensor3 backward_impl(const at::Tensor& grad_y, const at::Tensor& x, const std::
   BwdInputs in = prepare_backward(grad_y, x, weight, mean, rstd);
   const int64_t hidden = in.x.size(-1);
   at::Tensor dx = in.x.new_empty(in.x.sizes());
+  if (dx.is_cpu()) opb::advise_huge_pages(dx.mutable_data_ptr(), dx.nbytes());
   at::Tensor dw = in.x.new_empty({affine_grads ? hidden : 0});
   at::Tensor db = in.x.new_empty({affine_grads ? hidden : 0});
   const int64_t rows = hidden == 0 ? 0 : in.x.numel() / hidden;

@@ -1,6 +1,7 @@
 // relu as a Torch op: schema, input checks, CPU and CUDA implementations.
 #include <opbuilder/binding.h>
 
+#include "common/huge_pages.h"
 #include "relu_cpu.h"
 #ifdef OPB_WITH_CUDA
 #include "relu.cuh"
@@ -18,6 +19,7 @@ at::Tensor prepare(const at::Tensor& x) {
 at::Tensor relu_cpu(const at::Tensor& x) {
   at::Tensor xc = prepare(x);
   at::Tensor y = xc.new_empty(xc.sizes());
+  opb::advise_huge_pages(y.mutable_data_ptr(), y.nbytes());
   opb::relu::relu_cpu(xc.const_data_ptr(), y.mutable_data_ptr(), xc.numel(), opb::dtype_of(xc, kOp, "x"));
   return y;
 }
