@@ -66,7 +66,7 @@ class OpBuilder:
         return []
 
     def cxx_args(self) -> list[str]:
-        args = ["-O3", toolchain.cxx_standard()]
+        args = ["-O3", toolchain.cxx_standard()] + toolchain.openmp_flags()[0]
         arch = env.cpu_arch()
         return args + ([f"-march={arch}"] if arch else [])
 
@@ -75,7 +75,7 @@ class OpBuilder:
         return ["-O3", toolchain.cxx_standard(), "--expt-relaxed-constexpr"] + libs + toolchain.gencode_flags(self.cuda_archs())
 
     def extra_ldflags(self) -> list[str]:
-        flags = toolchain.libstdcxx_ldflags()
+        flags = toolchain.libstdcxx_ldflags() + toolchain.openmp_flags()[1]
         if not self.CUDA_LIBRARIES or not self.with_cuda():
             return flags
         return flags + [flag for lib in self._cuda_libraries() if lib is not None for flag in lib.ldflags()]
@@ -171,6 +171,9 @@ class OpBuilder:
     def final_nvcc_args(self) -> list[str]:
         return self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
 
+    def final_ldflags(self) -> list[str]:
+        return self._composed(OpBuilder.extra_ldflags(self), self.extra_ldflags())
+
     def is_python_module(self) -> bool:
         if self.PYTHON_MODULE is not None:
             return self.PYTHON_MODULE
@@ -198,7 +201,7 @@ class OpBuilder:
             "files": self.file_digests(with_cuda),
             "cxx_args": cxx_args,
             "nvcc_args": self.final_nvcc_args() if with_cuda else [],
-            "ldflags": self.extra_ldflags(),
+            "ldflags": self.final_ldflags(),
             "python_module": self.is_python_module(),
             **toolchain.torch_environment(),
             "cxx": toolchain.compiler_identity(cxx) if cxx else None,
@@ -282,7 +285,7 @@ class OpBuilder:
             "name": f"opbuilder._prebuilt.{self.name}.{self.name}_{key[:12]}",
             "sources": [str(p) for p in self.built_sources(with_cuda)],
             "include_dirs": [str(p) for p in self._include_dirs()],
-            "extra_link_args": self.extra_ldflags(),
+            "extra_link_args": self.final_ldflags(),
         }
         cxx = [a for a in self.final_cxx_args() if not a.startswith("-march=")] + [ns_flag]
         if with_cuda:

@@ -63,7 +63,9 @@ class PrebuildError(RuntimeError):
 
 def _portable_cxx(args: list[str]) -> list[str]:
     # -march and OPB_WITH_CUDA follow the machine, not the builder: compared apart (or not at all).
-    return [a for a in args if not a.startswith("-march=") and a != "-DOPB_WITH_CUDA"]
+    # -fopenmp follows the compiler found at build time (and there may be none at load): it decides
+    # whether parallel_for runs on torch's threads, not what the op computes.
+    return [a for a in args if not a.startswith("-march=") and a not in ("-DOPB_WITH_CUDA", "-fopenmp")]
 
 
 def _portable_nvcc(args: list[str]) -> list[str]:
@@ -289,7 +291,7 @@ def write_manifest(builder: OpBuilder, artifact: Path, seconds: float) -> Path:
         "torch": inputs["torch"],
         "torch_cuda": inputs["torch_cuda"],
         "compilers": {"cxx": inputs["cxx"], "nvcc": inputs["nvcc"]},
-        "ldflags": builder.extra_ldflags(),
+        "ldflags": builder.final_ldflags(),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "build_seconds": round(seconds, 2),
         "requires": requirements(builder),

@@ -80,16 +80,31 @@ def _identity_record(path: str, ident: str) -> dict:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
         memo = {}
-    record = memo.get(ident) if isinstance(memo, dict) else None
+    memo = memo if isinstance(memo, dict) else {}
+    record = memo.get(ident)
+    cxx = "nvcc" not in os.path.basename(path)
+    if isinstance(record, dict) and (not cxx or "openmp" in record):
+        return record
     if not isinstance(record, dict):
-        record = {"version": _ask(path, ["--version"], last="nvcc" in os.path.basename(path))}
-        if "nvcc" not in os.path.basename(path):
+        record = {"version": _ask(path, ["--version"], last=not cxx)}
+        if cxx:
             # A bare name back means the compiler has no shared C++ runtime to link.
             record["static_libstdcxx"] = "/" not in _ask(path, ["-print-file-name=libstdc++.so"])
-        memo = memo if isinstance(memo, dict) else {}
-        memo[ident] = record
-        _write_memo(memo_path, memo)
+    if cxx:  # also completes a record remembered before this question was asked
+        record["openmp"] = _compiles_openmp(path)
+    memo[ident] = record
+    _write_memo(memo_path, memo)
     return record
+
+
+def _compiles_openmp(path: str) -> bool:
+    """Whether ``path -fopenmp`` finds ``omp.h`` (a compiler built without its OpenMP runtime does not)."""
+    try:
+        out = subprocess.run([path, "-fopenmp", "-x", "c++", "-E", "-o", os.devnull, "-"], input="#include <omp.h>\n",
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0
 
 
 def _ask(path: str, args: list[str], last: bool = False) -> str:
@@ -119,6 +134,42 @@ def libstdcxx_ldflags() -> list[str]:
     if not identity.get("static_libstdcxx"):
         return []
     return ["-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed"]
+
+
+def openmp_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags that let ``at::parallel_for`` in an op's CPU code use torch's threads.
+
+    With torch built on OpenMP, ``at::parallel_for`` is inline code that runs its range in parallel
+    only when the op itself is compiled with ``-fopenmp``; without it, every chunk runs on the calling
+    thread. The op links the OpenMP runtime torch has loaded, by its path: same soname, so the loader
+    hands the op that one runtime and its thread pool (``torch.set_num_threads`` applies). Linux only,
+    and only with a compiler that has OpenMP; else ([], []) and the op's loops run on one thread.
+    """
+    if platform.system() != "Linux":
+        return [], []
+    cxx = cxx_path()
+    if cxx is None or not compiler_identity(cxx).get("openmp"):
+        return [], []
+    runtime = torch_openmp_runtime()
+    return (["-fopenmp"], [runtime]) if runtime else ([], [])
+
+
+@functools.lru_cache(maxsize=None)
+def torch_openmp_runtime() -> str | None:
+    """The path of the OpenMP runtime (libgomp, libiomp5 or libomp) this process loaded for torch, if any."""
+    import torch
+
+    if not torch.backends.openmp.is_available():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in maps:
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if os.path.basename(path).startswith(("libgomp", "libiomp5", "libomp.")):
+            return path
+    return None
 
 
 def _write_memo(memo_path: Path, memo: dict) -> None:

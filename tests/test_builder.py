@@ -243,3 +243,78 @@ def test_compiler_without_shared_cxx_runtime_gets_it_named(tmp_path: Path, monke
     assert toolchain.libstdcxx_ldflags() == ["-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed"]
     monkeypatch.setenv("CXX", "g++")
     assert toolchain.libstdcxx_ldflags() == []
+
+
+PARALLEL_BUILDER = '''
+from opbuilder import OpBuilder
+
+
+class ThreadsBuilder(OpBuilder):
+    NAME = "threads_used"
+
+    def sources(self):
+        return ["threads_used.cpp"]
+
+    def extra_ldflags(self):  # its own list, no super(): the base flags must still come first
+        return ["-Wl,--as-needed"]
+'''
+
+PARALLEL_SOURCE = """
+#include <opbuilder/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <atomic>
+
+namespace {
+// How many threads at::parallel_for ran x.numel() one-element chunks on.
+int64_t threads_used(const at::Tensor& x) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, x.numel(), 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+}  // namespace
+
+OPB_LIBRARY(m) { m.def("threads_used(Tensor x) -> int"); }
+OPB_LIBRARY_IMPL(CPU, m) { m.impl("threads_used", &threads_used); }
+"""
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="needs two CPUs to see two threads")
+def test_parallel_for_in_an_op_runs_on_torchs_threads(tmp_path: Path, fresh_cache: Path) -> None:
+    """torch's cpp_extension alone compiles an op without OpenMP, and ATen's inline parallel_for then runs
+    every chunk on the calling thread. The base flags make it use torch's thread pool (one OpenMP runtime)."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "my_ops.py").write_text(PARALLEL_BUILDER)
+    (tmp_path / "proj" / "threads_used.cpp").write_text(PARALLEL_SOURCE)
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(tmp_path / 'proj')!r})
+        from my_ops import ThreadsBuilder
+        torch.set_num_threads(2)
+        ops = ThreadsBuilder().load()
+        used = ops.threads_used(torch.empty(10000))
+        runtimes = sorted({{line.split()[-1] for line in open("/proc/self/maps") if "omp" in line.split("/")[-1]}})
+        print("THREADS", used, "RUNTIMES", len(runtimes))
+    """)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "THREADS 2 RUNTIMES 1" in result.stdout, result.stdout
+
+
+def test_openmp_flags_follow_the_compiler_and_torchs_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opbuilder import toolchain
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    cxx_args, ldflags = toolchain.openmp_flags()
+    if sys.platform == "linux" and torch.backends.openmp.is_available():
+        assert cxx_args == ["-fopenmp"] and len(ldflags) == 1
+        assert Path(ldflags[0]).is_file() and Path(ldflags[0]).name.startswith(("libgomp", "libiomp5", "libomp."))
+        assert "-fopenmp" in OpBuilder.cxx_args(TutorialStyle()) and ldflags[0] in OpBuilder.extra_ldflags(TutorialStyle())
+    # A compiler without OpenMP (omp.h not found) gets none, and the op's loops stay serial.
+    fake = tmp_path / "bin" / "g++"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$1" in\n  --version) echo "g++ (no openmp) 13.3.0";;\n'
+                    '  -print-file-name=*) echo "/usr/lib/libstdc++.so";;\n  -fopenmp) exit 1;;\nesac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert toolchain.openmp_flags() == ([], [])
