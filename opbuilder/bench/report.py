@@ -117,7 +117,8 @@ def write_markdown(result: dict, path: Path) -> None:
     lines = [
         "# Benchmark results",
         "",
-        f"Written by `{result['command']}` on {env['date']}. Do not edit: regenerate with `benchmarks/run_bench.sh`.",
+        f"Written by `{result['command']}` on {env['date']}. Do not edit: regenerate with that command "
+        "(`benchmarks/run_bench.sh` on the GPU machine).",
         "",
         f"- Device: {env['device_name']}" + (f" ({env['device_detail']})" if env.get("device_detail") else ""),
         f"- torch {env['torch']}, CUDA {env['cuda'] or '-'}, Python {env['python']}, opbuilder {env['opbuilder']}",
