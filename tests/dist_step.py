@@ -6,6 +6,7 @@ the opbuilder model and of the same model built from PyTorch layers, and compare
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -34,6 +35,10 @@ def main(out_dir: str) -> None:
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump({"rank": rank, "worst_relative_grad_diff": worst, "pid": os.getpid()}, fh)
+    # DDP's reducers hold the process group and gloo's work: freed here, before the group is destroyed,
+    # not during interpreter exit (where gloo's threads can meet a half-torn-down interpreter: SIGABRT).
+    del fused, plain
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
