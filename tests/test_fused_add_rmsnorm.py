@@ -354,15 +354,21 @@ def test_layers_parameters_like_torch_rmsnorm():
         RMSNorm(0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_layers_match_torch_rmsnorm(device):
-    torch.manual_seed(1)
-    torch_norm = torch.nn.RMSNorm(128, eps=1e-6).to(device)
-    fused, plain = FusedAddRMSNorm(128).to(device), RMSNorm(128).to(device)
+def _norms_with_one_weight(hidden: int, device: str) -> tuple[torch.nn.RMSNorm, FusedAddRMSNorm, RMSNorm]:
+    """torch.nn.RMSNorm with a random weight, and our two layers holding the same weight."""
+    torch_norm = torch.nn.RMSNorm(hidden, eps=1e-6).to(device)
+    fused, plain = FusedAddRMSNorm(hidden).to(device), RMSNorm(hidden).to(device)
     with torch.no_grad():
         torch_norm.weight.normal_()
         fused.weight.copy_(torch_norm.weight)
         plain.weight.copy_(torch_norm.weight)
+    return torch_norm, fused, plain
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_match_torch_rmsnorm(device):
+    torch.manual_seed(1)
+    torch_norm, fused, plain = _norms_with_one_weight(128, device)
     x = torch.randn(3, 10, 128, device=device, requires_grad=True)
     r = torch.randn(3, 10, 128, device=device, requires_grad=True)
     normed, new_residual = fused(x, r)
@@ -385,12 +391,7 @@ def test_layers_under_autocast_match_torch(device, in_dtype):
     """Under bf16 autocast the layers give what torch.nn.RMSNorm applied to x + residual gives: same
     dtypes (float32 norm on CUDA, the input's dtype on CPU) and values."""
     torch.manual_seed(2)
-    torch_norm = torch.nn.RMSNorm(256, eps=1e-6).to(device)
-    fused, plain = FusedAddRMSNorm(256).to(device), RMSNorm(256).to(device)
-    with torch.no_grad():
-        torch_norm.weight.normal_()
-        fused.weight.copy_(torch_norm.weight)
-        plain.weight.copy_(torch_norm.weight)
+    torch_norm, fused, plain = _norms_with_one_weight(256, device)
     x = torch.randn(8, 256, device=device).to(in_dtype)
     r = torch.randn(8, 256, device=device).to(in_dtype)
     with torch.autocast(device, dtype=torch.bfloat16):
