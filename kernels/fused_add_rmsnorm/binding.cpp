@@ -11,7 +11,6 @@
 // grad_residual_out.
 #include <opbuilder/binding.h>
 
-#include "common/huge_pages.h"
 
 #include <cmath>
 #include <cstdint>
@@ -79,13 +78,6 @@ const void* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->const_data_ptr() : nullptr;
 }
 
-// Outputs: contiguous, shaped like `like`.
-at::Tensor new_output(const at::Tensor& like) {
-  at::Tensor t = like.new_empty(like.sizes());
-  if (t.is_cpu()) opb::advise_huge_pages(t.mutable_data_ptr(), t.nbytes());
-  return t;
-}
-
 // ---- forward ---------------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rmsnorm_impl(const at::Tensor& input, const at::Tensor& residual,
@@ -93,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rmsnorm_impl(const at::Tensor& inpu
   const Rows s = check_x_and_weight(kFwd, input, "input", weight, eps);
   check_like(kFwd, input, "input", residual, "residual");
   const at::Tensor x = prepare(input), r = prepare(residual), w = prepare(weight);
-  at::Tensor out = new_output(x), residual_out = new_output(x);
+  at::Tensor out = opb::new_output(x), residual_out = opb::new_output(x);
   if (s.rows == 0) return {out, residual_out};
   const opb::DType dt = opb::dtype_of(x, kFwd, "input");
   if (x.is_cpu()) {
@@ -114,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rmsnorm_impl(const at::Tensor& inpu
 at::Tensor rms_norm_impl(const at::Tensor& input, const at::Tensor& weight, double eps) {
   const Rows s = check_x_and_weight(kRms, input, "input", weight, eps);
   const at::Tensor x = prepare(input), w = prepare(weight);
-  at::Tensor out = new_output(x);
+  at::Tensor out = opb::new_output(x);
   if (s.rows == 0) return out;
   const opb::DType dt = opb::dtype_of(x, kRms, "input");
   if (x.is_cpu()) {
@@ -146,8 +138,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_common(const at::Tensor&
   const at::Tensor gy = prepare(grad_out), h = prepare(residual_out), w = prepare(weight);
   std::optional<at::Tensor> gr;
   if (grad_residual_out.has_value()) gr = prepare(*grad_residual_out);
-  at::Tensor grad_h = new_output(h);
-  at::Tensor grad_h2 = two_grads ? new_output(h) : at::Tensor();
+  at::Tensor grad_h = opb::new_output(h);
+  at::Tensor grad_h2 = two_grads ? opb::new_output(h) : at::Tensor();
   void* grad_h2_ptr = two_grads ? grad_h2.mutable_data_ptr() : nullptr;
   at::Tensor grad_w = w.new_empty(w.sizes());
   if (s.rows == 0) return {grad_h, grad_h2, grad_w.zero_()};  // no rows: the weight gradient is an empty sum

@@ -11,7 +11,6 @@
 #include <tuple>
 #include <vector>
 
-#include "common/huge_pages.h"
 #include "fused_relu_layernorm_cpu.h"
 #ifdef OPB_WITH_CUDA
 #include "fused_relu_layernorm.cuh"
@@ -71,8 +70,7 @@ template <typename Run>
 Tensor3 forward_impl(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                      const std::optional<at::Tensor>& bias, double eps, Run run) {
   FwdInputs in = prepare_forward(x, weight, bias);
-  at::Tensor y = in.x.new_empty(in.x.sizes());
-  if (y.is_cpu()) opb::advise_huge_pages(y.mutable_data_ptr(), y.nbytes());
+  at::Tensor y = opb::new_output(in.x);
   const auto stats_opts = in.x.options().dtype(stats_type(in.x));
   at::Tensor mean = in.x.new_empty(leading_sizes(in.x), stats_opts);
   at::Tensor rstd = in.x.new_empty(leading_sizes(in.x), stats_opts);
@@ -128,8 +126,7 @@ Tensor3 backward_impl(const at::Tensor& grad_y, const at::Tensor& x, const std::
                       const at::Tensor& mean, const at::Tensor& rstd, bool affine_grads, Run run) {
   BwdInputs in = prepare_backward(grad_y, x, weight, mean, rstd);
   const int64_t hidden = in.x.size(-1);
-  at::Tensor dx = in.x.new_empty(in.x.sizes());
-  if (dx.is_cpu()) opb::advise_huge_pages(dx.mutable_data_ptr(), dx.nbytes());
+  at::Tensor dx = opb::new_output(in.x);
   at::Tensor dw = in.x.new_empty({affine_grads ? hidden : 0});
   at::Tensor db = in.x.new_empty({affine_grads ? hidden : 0});
   const int64_t rows = hidden == 0 ? 0 : in.x.numel() / hidden;

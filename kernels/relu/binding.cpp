@@ -1,7 +1,6 @@
 // relu as a Torch op: schema, input checks, CPU and CUDA implementations.
 #include <opbuilder/binding.h>
 
-#include "common/huge_pages.h"
 #include "relu_cpu.h"
 #ifdef OPB_WITH_CUDA
 #include "relu.cuh"
@@ -18,8 +17,7 @@ at::Tensor prepare(const at::Tensor& x) {
 
 at::Tensor relu_cpu(const at::Tensor& x) {
   at::Tensor xc = prepare(x);
-  at::Tensor y = xc.new_empty(xc.sizes());
-  opb::advise_huge_pages(y.mutable_data_ptr(), y.nbytes());
+  at::Tensor y = opb::new_output(xc);
   opb::relu::relu_cpu(xc.const_data_ptr(), y.mutable_data_ptr(), xc.numel(), opb::dtype_of(xc, kOp, "x"));
   return y;
 }
@@ -28,7 +26,7 @@ at::Tensor relu_cpu(const at::Tensor& x) {
 at::Tensor relu_cuda(const at::Tensor& x) {
   at::Tensor xc = prepare(x);
   c10::cuda::CUDAGuard guard(xc.device());
-  at::Tensor y = xc.new_empty(xc.sizes());
+  at::Tensor y = opb::new_output(xc);
   opb::check_launch(opb::relu::launch(xc.const_data_ptr(), y.mutable_data_ptr(), xc.numel(),
                                       opb::dtype_of(xc, kOp, "x"), opb::stream_of(xc)),
                     kOp);

@@ -8,7 +8,6 @@
 //   backward_with_plan(y, grad_y, plan) -> grad_x
 #include <opbuilder/binding.h>
 
-#include "common/huge_pages.h"
 
 #include "softmax_cpu.h"
 #ifdef OPB_WITH_CUDA
@@ -66,8 +65,7 @@ std::pair<at::Tensor, at::Tensor> prepare_backward(const at::Tensor& y, const at
 
 at::Tensor forward_cpu(const at::Tensor& x) {
   at::Tensor xc = prepare_forward(x);
-  at::Tensor y = xc.new_empty(xc.sizes());
-  opb::advise_huge_pages(y.mutable_data_ptr(), y.nbytes());
+  at::Tensor y = opb::new_output(xc);
   const Rows r = rows_of(xc, kForward, "x");
   opb::softmax::forward_cpu(xc.const_data_ptr(), y.mutable_data_ptr(), r.rows, r.cols,
                             opb::dtype_of(xc, kForward, "x"));
@@ -76,8 +74,7 @@ at::Tensor forward_cpu(const at::Tensor& x) {
 
 at::Tensor backward_cpu(const at::Tensor& y, const at::Tensor& grad_y) {
   auto [yc, gc] = prepare_backward(y, grad_y);
-  at::Tensor grad_x = yc.new_empty(yc.sizes());
-  opb::advise_huge_pages(grad_x.mutable_data_ptr(), grad_x.nbytes());
+  at::Tensor grad_x = opb::new_output(yc);
   const Rows r = rows_of(yc, kBackward, "y");
   opb::softmax::backward_cpu(yc.const_data_ptr(), gc.const_data_ptr(), grad_x.mutable_data_ptr(), r.rows, r.cols,
                              opb::dtype_of(yc, kBackward, "y"));
@@ -121,7 +118,7 @@ at::Tensor workspace_for(const at::Tensor& like, const opb::softmax::Plan& plan,
 at::Tensor forward_cuda_plan(const at::Tensor& x, const std::optional<opb::softmax::Plan>& chosen) {
   at::Tensor xc = prepare_forward(x);
   c10::cuda::CUDAGuard guard(xc.device());
-  at::Tensor y = xc.new_empty(xc.sizes());
+  at::Tensor y = opb::new_output(xc);
   const auto p = problem_of(xc, kForward, "x", false, {xc.const_data_ptr(), y.const_data_ptr()});
   if (p.rows == 0 || p.cols == 0) return y;
   const opb::softmax::Plan plan = chosen ? *chosen : opb::softmax::default_plan(p);
