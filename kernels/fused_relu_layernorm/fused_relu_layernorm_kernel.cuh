@@ -198,16 +198,39 @@ __device__ __forceinline__ Stats<A> warp_merge(Stats<A> s) {
   return s;
 }
 
-// Merge over the WARPS warps of a row (one barrier); every thread gets the same stats. `smem` must hold
-// WARPS entries and not be reused by the caller until the next __syncthreads().
-template <int WARPS>
+// As warp_merge, where both sides of every merge hold the same count (every lane the same number of
+// elements): no count to exchange and no reciprocal. Symmetric to the bit as merge() is.
+template <int SPAN = 32>
+__device__ __forceinline__ Stats<float> warp_merge_even(Stats<float> s) {
+#pragma unroll
+  for (int off = SPAN / 2; off > 0; off >>= 1) {
+    const float mean = __shfl_xor_sync(0xffffffffu, s.mean, off), m2 = __shfl_xor_sync(0xffffffffu, s.m2, off);
+    const float d = mean - s.mean;
+    s.mean = (s.mean + mean) * 0.5f;
+    s.m2 = s.m2 + m2 + d * (d * (s.n * 0.5f));  // na * nb / n = n / 2 for equal counts
+    s.n *= 2.f;
+  }
+  return s;
+}
+
+template <bool EVEN, int SPAN>
+__device__ __forceinline__ Stats<float> lanes_merge(Stats<float> s) {
+  if constexpr (EVEN) return warp_merge_even<SPAN>(s);
+  else return warp_merge<SPAN>(s);
+}
+
+// Merge over the TPR threads of a row (whole warps; more than one: one barrier); every thread gets the
+// same stats. `smem` must hold TPR / 32 entries and not be reused by the caller until the next
+// __syncthreads(). EVEN: every thread holds the same number of elements.
+template <int TPR, bool EVEN>
 __device__ __forceinline__ Stats<float> row_merge(Stats<float> s, Stats<float>* smem) {
-  static_assert(WARPS >= 1 && WARPS <= 32 && (WARPS & (WARPS - 1)) == 0, "WARPS: a power of two <= 32");
-  s = warp_merge(s);
+  constexpr int WARPS = TPR / 32;
+  static_assert(TPR >= 32 && TPR <= 1024 && (TPR & (TPR - 1)) == 0, "TPR: a power of two, 32..1024");
+  s = lanes_merge<EVEN, 32>(s);
   if constexpr (WARPS > 1) {
     if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = s;
     __syncthreads();
-    s = warp_merge<WARPS>(smem[threadIdx.x % WARPS]);  // each warp merges all WARPS entries, like the others
+    s = lanes_merge<EVEN, WARPS>(smem[threadIdx.x % WARPS]);  // each warp merges all WARPS entries, like the others
   }
   return s;
 }
@@ -217,18 +240,22 @@ __device__ __forceinline__ Stats<float> row_merge(Stats<float> s, Stats<float>* 
 // TPR threads per row, ROWS rows per CTA (ROWS > 1 only when TPR == 32: a warp per row, no barrier).
 // Thread `lane` of a row holds packs i = 0..NV-1 at columns (i * TPR + lane) * VEC.
 // VEC > 1 only when hidden % VEC == 0 and every pointer is 16-byte aligned.
-// The mean and variance come from one merge of each thread's exact stats: one barrier, not two.
+// The mean and variance come from one merge of each thread's exact stats: one barrier, not two. With
+// EVEN, each thread's own sums run in kAcc independent chains, so that the last rows to arrive (one
+// wave of short rows) are not held up by a chain of NV * VEC dependent adds (bf16 768: 0.3-0.5 us;
+// 3072: 0.8%). Without EVEN the chains measured 2% slower at 3072 and stay single.
 // W_EARLY: the weight and bias are loaded with x, before the reduction, so that their round trip is
 // off the row's critical path; it costs 2 * NV packs of registers while the row is reduced.
+// EVEN: hidden == NV * TPR * VEC, so every thread holds NV full packs (the merge needs no counts).
 // Plain loads and stores: `__ldcs` / `__stcs` measured no faster here, and slower for relu and
 // add+RMSNorm (benchmarks/NOTES.md).
-template <typename T, int VEC, int NV, int TPR, int ROWS, bool W_EARLY>
+template <typename T, int VEC, int NV, int TPR, int ROWS, bool W_EARLY, bool EVEN>
 __global__ void __launch_bounds__(TPR * ROWS)
     fwd_reg_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
                    float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
-  static_assert(ROWS == 1 || TPR == 32, "several rows per CTA only with a warp per row");
-  constexpr int WARPS = TPR / 32;
-  __shared__ Stats<float> red[WARPS];
+  static_assert(TPR >= 32 && (ROWS == 1 || TPR == 32), "whole warps a row; several rows a CTA only at one warp");
+  constexpr int kAcc = EVEN && NV * VEC >= 8 ? 4 : 1;
+  __shared__ Stats<float> red[TPR / 32];
 
   const int lane = threadIdx.x % TPR;
   const int64_t row = int64_t(blockIdx.x) * ROWS + threadIdx.x / TPR;
@@ -239,12 +266,13 @@ __global__ void __launch_bounds__(TPR * ROWS)
     if (w != nullptr) pw.set(load_pack<false, T, VEC>(w + col)); else pw.fill(1.f);
     if (b != nullptr) pb.set(load_pack<false, T, VEC>(b + col)); else pb.fill(0.f);
   };
+  auto has = [&](int i) { return EVEN || (i * TPR + lane) * VEC < hidden; };
   Words<T, VEC> px[NV], pw[NV], pb[NV];
   int n = 0;  // this thread's elements
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int col = (i * TPR + lane) * VEC;
-    if (col < hidden) {
+    if (has(i)) {
       px[i].set(load_pack<false, T, VEC>(xr + col));
       if constexpr (W_EARLY) load_wb(pw[i], pb[i], col);
       n += VEC;
@@ -252,27 +280,34 @@ __global__ void __launch_bounds__(TPR * ROWS)
   }
 
   // This thread's exact mean and squared deviations, then the row's.
-  float sum = 0.f;
+  float acc[kAcc] = {};
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    if ((i * TPR + lane) * VEC < hidden) {
+    if (has(i)) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += relu(px[i].at(k));
+      for (int k = 0; k < VEC; ++k) acc[(i * VEC + k) % kAcc] += relu(px[i].at(k));
     }
   }
+  float sum = acc[0];
+#pragma unroll
+  for (int j = 1; j < kAcc; ++j) sum += acc[j];
   const float own_mean = n > 0 ? sum * recip(float(n)) : 0.f;
-  float m2 = 0.f;
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.f;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    if ((i * TPR + lane) * VEC < hidden) {
+    if (has(i)) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float d = relu(px[i].at(k)) - own_mean;
-        m2 += d * d;
+        acc[(i * VEC + k) % kAcc] += d * d;
       }
     }
   }
-  const Stats<float> st = row_merge<WARPS>(Stats<float>{float(n), own_mean, m2}, red);
+  float m2 = acc[0];
+#pragma unroll
+  for (int j = 1; j < kAcc; ++j) m2 += acc[j];
+  const Stats<float> st = row_merge<TPR, EVEN>(Stats<float>{float(n), own_mean, m2}, red);
   const float mean = st.mean;
   const float rstd = rsqrtf(st.m2 * recip(float(hidden)) + eps);
   if (lane == 0) {
@@ -284,7 +319,7 @@ __global__ void __launch_bounds__(TPR * ROWS)
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int col = (i * TPR + lane) * VEC;
-    if (col < hidden) {
+    if (has(i)) {
       if constexpr (!W_EARLY) load_wb(pw[i], pb[i], col);
       Pack<T, VEC> out;
 #pragma unroll

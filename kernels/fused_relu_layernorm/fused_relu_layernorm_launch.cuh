@@ -26,17 +26,16 @@ constexpr int kVec = 16 / sizeof(T);
 
 // ---- forward --------------------------------------------------------------------------------------
 
-// W_EARLY for NV <= 3: at 3 packs a lane (bf16 768, a warp a row) 10.3 us early, 11.2 late. At 4 packs
-// the weight and bias beside x take 64-71 registers instead of 40 (spilling at 256 and 512 threads),
-// and bf16 4096 at 128 x 4 ran 186.6 us early, 185.0 late.
 // ROWS, for a warp a row: 2 at 3 packs (bf16 768: 9.6 us; with 1, 4, 8 rows 10.1, 10.3, 9.8), else 4
-// (not measured with this kernel). H100, benchmarks/quick_layernorm.py (benchmarks/NOTES.md).
-template <typename T, int VEC, int NV, int TPR>
+// (not measured with this kernel). EVEN: hidden == NV * TPR * VEC (every thread holds NV full packs;
+// the merge needs no counts). W_EARLY: the weight and bias are loaded with x (see the kernel).
+// H100, benchmarks/quick_layernorm.py (benchmarks/NOTES.md).
+template <typename T, int VEC, int NV, int TPR, bool W_EARLY, bool EVEN = false>
 cudaError_t fwd_reg(const FwdArgs& a, cudaStream_t stream) {
   constexpr int ROWS = TPR == 32 ? (NV == 3 ? 2 : 4) : 1;
   const int64_t blocks = (a.rows + ROWS - 1) / ROWS;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  fwd_reg_kernel<T, VEC, NV, TPR, ROWS, (NV <= 3)><<<static_cast<unsigned>(blocks), TPR * ROWS, 0, stream>>>(
+  fwd_reg_kernel<T, VEC, NV, TPR, ROWS, W_EARLY, EVEN><<<static_cast<unsigned>(blocks), TPR * ROWS, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.b), static_cast<T*>(a.y),
       static_cast<float*>(a.mean), static_cast<float*>(a.rstd), a.rows, static_cast<int>(a.hidden),
       static_cast<float>(a.eps));
@@ -60,21 +59,44 @@ cudaError_t fwd_any(const FwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// TPR threads per row, NV packs per thread: the smallest row group that holds the row in registers
-// (at most 32 floats of data per thread), else the streaming kernel. Fewer packs a thread over more
-// threads lose: every thread merges the row's statistics, so the merge's instructions grow with the
-// threads (bf16 4096: 128 x 4 185.0 us, 256 x 2 202.7, 512 x 1 274.1).
+// Rows that fill every thread's packs exactly (the usual model widths, on the 16-byte path) merge
+// without counts, which makes 2 or 3 packs a thread over more threads pay: bf16, against 4 packs a
+// thread with counts, 1024 wide 64 x 2 3% faster, 2048 128 x 2 2%, 3072 128 x 3 3%, 4096 256 x 2 1% (3% at
+// 4096 rows), 8192 256 x 4 1%; 512 x 1 at 4096 was 15% slower. The weight and bias early where it
+// measured faster: a warp a row (the rows are short and the grid one wave), and 128 x 3 (1.4%); at
+// 256 x 2 they cost 5% (fewer CTAs an SM), at 512 x 2 17%. 768 packs and 1536 are not measured.
+// Other rows: the smallest row group that holds the row in registers (at most 32 floats of data per
+// thread), else the streaming kernel.
 template <typename T, int VEC>
 cudaError_t fwd_dispatch(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = (a.hidden + VEC - 1) / VEC;
-  if (nvec <= 32) return fwd_reg<T, VEC, 1, 32>(a, stream);
-  if (nvec <= 64) return fwd_reg<T, VEC, 2, 32>(a, stream);
-  if (nvec <= 96) return fwd_reg<T, VEC, 3, 32>(a, stream);
-  if (nvec <= 128) return fwd_reg<T, VEC, 4, 32>(a, stream);
-  if (nvec <= 256) return fwd_reg<T, VEC, 4, 64>(a, stream);
-  if (nvec <= 512) return fwd_reg<T, VEC, 4, 128>(a, stream);
-  if (nvec <= 1024) return fwd_reg<T, VEC, 4, 256>(a, stream);
-  if (nvec <= 2048) return fwd_reg<T, VEC, 4, 512>(a, stream);
+  if constexpr (VEC > 1) {
+    switch (nvec * VEC == a.hidden ? nvec : 0) {
+      case 32: return fwd_reg<T, VEC, 1, 32, true, true>(a, stream);
+      case 64: return fwd_reg<T, VEC, 2, 32, true, true>(a, stream);
+      case 96: return fwd_reg<T, VEC, 3, 32, true, true>(a, stream);
+      case 128: return fwd_reg<T, VEC, 2, 64, false, true>(a, stream);
+      case 192: return fwd_reg<T, VEC, 3, 64, true, true>(a, stream);
+      case 256: return fwd_reg<T, VEC, 2, 128, false, true>(a, stream);
+      case 384: return fwd_reg<T, VEC, 3, 128, true, true>(a, stream);
+      case 512: return fwd_reg<T, VEC, 2, 256, false, true>(a, stream);
+      case 768: return fwd_reg<T, VEC, 3, 256, false, true>(a, stream);
+      case 1024: return fwd_reg<T, VEC, 4, 256, false, true>(a, stream);
+      case 1536: return fwd_reg<T, VEC, 3, 512, false, true>(a, stream);
+      case 2048: return fwd_reg<T, VEC, 4, 512, false, true>(a, stream);
+      default: break;
+    }
+  }
+  // W_EARLY at 3 packs a lane or fewer (bf16 768 a warp a row: 10.3 us early, 11.2 late); at 4 packs the
+  // weight and bias beside x take 64-71 registers instead of 40.
+  if (nvec <= 32) return fwd_reg<T, VEC, 1, 32, true>(a, stream);
+  if (nvec <= 64) return fwd_reg<T, VEC, 2, 32, true>(a, stream);
+  if (nvec <= 96) return fwd_reg<T, VEC, 3, 32, true>(a, stream);
+  if (nvec <= 128) return fwd_reg<T, VEC, 4, 32, false>(a, stream);
+  if (nvec <= 256) return fwd_reg<T, VEC, 4, 64, false>(a, stream);
+  if (nvec <= 512) return fwd_reg<T, VEC, 4, 128, false>(a, stream);
+  if (nvec <= 1024) return fwd_reg<T, VEC, 4, 256, false>(a, stream);
+  if (nvec <= 2048) return fwd_reg<T, VEC, 4, 512, false>(a, stream);
   return fwd_any<T, VEC>(a, stream);
 }
 
