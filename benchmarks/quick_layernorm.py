@@ -38,11 +38,13 @@ SRC = "kernels/fused_relu_layernorm/"
 NS = "namespace opb::fused_relu_layernorm"
 ORIG_FILES = ["fused_relu_layernorm_kernel.cuh", "fused_relu_layernorm_launch.cuh", "fused_relu_layernorm_typed.cuh",
               "fused_relu_layernorm.cuh", "fused_relu_layernorm_args.h"]
-# (name, namespace, text to replace, replacement) applied to the working tree's kernel header.
+# (name, namespace, text to replace, replacement, checked) applied to the working tree's kernel header.
+# "nomerge" is a floor, not a candidate: each thread's own stats stand in for the row's (wrong results,
+# not checked), so its time is the kernel's without the merge across lanes.
 PATCHES = [
-    ("cs_load", "opb::qln_csload", "px[i].set(load_pack<false, T, VEC>(xr + col));",
-     "px[i].set(load_pack<true, T, VEC>(xr + col));"),
-    ("cs_store", "opb::qln_csstore", "store_pack<false>(yr + col, out);", "store_pack<true>(yr + col, out);"),
+    ("nomerge", "opb::qln_nomerge", "const Stats<float> st = row_merge<TPR, EVEN>(Stats<float>{float(n), own_mean, m2}, red);",
+     "const Stats<float> st{float(n), own_mean, m2 * float(TPR)};", False),
+    ("acc1", "opb::qln_acc1", "constexpr int kAcc = EVEN && NV * VEC >= 8 ? 4 : 1;", "constexpr int kAcc = 1;", True),
 ]
 OUT = Path(os.environ.get("OUT", "/tmp"))
 EPS = 1e-5
@@ -52,38 +54,54 @@ c_void_p, c_int, c_int64, c_float, c_double = ctypes.c_void_p, ctypes.c_int, cty
 
 @dataclass(frozen=True)
 class Variant:
-    """fwd_reg_kernel<bf16, 8, nv, tpr, rows, early> of `impl` ("orig" has no W_EARLY: weight late)."""
+    """fwd_reg_kernel<bf16, 8, nv, tpr, rows, early[, even]> of `impl` ("orig": git HEAD's, no `even`)."""
 
-    impl: str  # orig | new | cs_load | cs_store
+    impl: str  # orig | new | a patch's name
     nv: int
     tpr: int
     rows: int
     early: bool = False
+    even: bool = False
+    width: int = 0  # the case it is timed at; 0: 4096 for a CTA a row, 768 for a warp or less a row
 
     @property
     def name(self) -> str:
-        wb = "" if self.impl == "orig" else (" early" if self.early else " late")
-        return f"{self.impl} {self.tpr}x{self.nv} r{self.rows}{wb}"
+        wb = " early" if self.early else " late"
+        ev = "" if self.impl == "orig" else (" even" if self.even else " count")
+        return f"{self.impl} {self.tpr}x{self.nv} r{self.rows}{wb}{ev}" + (f" @{self.width}" if self.width else "")
 
     @property
-    def hidden(self) -> int:  # the case it is timed at: a CTA a row for 4096, a warp a row for 768
-        return 4096 if self.tpr > 32 else 768
+    def hidden(self) -> int:
+        return self.width or (4096 if self.tpr > 32 else 768)
+
+    @property
+    def checked(self) -> bool:
+        return next((p[4] for p in PATCHES if p[0] == self.impl), True)
 
     def cxx(self) -> str:
         ns = {"orig": "opb::orig_frln", "new": "opb::fused_relu_layernorm"}.get(self.impl)
         ns = ns or next(p[1] for p in PATCHES if p[0] == self.impl)
-        tail = "" if self.impl == "orig" else f", {'true' if self.early else 'false'}"
-        return f"&{ns}::fwd_reg_kernel<__nv_bfloat16, 8, {self.nv}, {self.tpr}, {self.rows}{tail}>"
+        tail = "" if self.impl == "orig" else f", {'true' if self.even else 'false'}"
+        return (f"&{ns}::fwd_reg_kernel<__nv_bfloat16, 8, {self.nv}, {self.tpr}, {self.rows}, "
+                f"{'true' if self.early else 'false'}{tail}>")
 
 
-V4096 = [Variant("orig", 4, 128, 1), Variant("orig", 1, 512, 1)] + [
-    Variant("new", nv, tpr, 1, e) for nv, tpr in ((1, 512), (2, 256), (4, 128)) for e in (True, False)
-] + [Variant("cs_load", 1, 512, 1, True), Variant("cs_store", 1, 512, 1, True)]
-V768 = [Variant("orig", 4, 32, 4), Variant("orig", 3, 32, 4)] + [
-    Variant("new", 3, 32, r, True) for r in (1, 2, 4, 8)
-] + [Variant("new", 3, 32, 4, False), Variant("new", 4, 32, 4, True),
-     Variant("cs_load", 3, 32, 4, True), Variant("cs_store", 3, 32, 4, True)]
-VARIANTS = V4096 + V768
+def V(impl: str, width: int, tpr: int, nv: int, rows: int = 1, early: bool = False, even: bool = True) -> Variant:
+    return Variant(impl, nv, tpr, rows, early, even if impl != "orig" else False, width)
+
+
+V768 = [V("orig", 768, 32, 3, 2, True), V("new", 768, 32, 3, 2, True), V("acc1", 768, 32, 3, 2, True),
+        V("new", 768, 32, 3, 1, True), V("new", 768, 32, 3, 4, True)]
+WIDE = {  # width: variants (the 16-byte path; rows fill every thread's packs)
+    1024: [V("new", 1024, 32, 4, 4), V("new", 1024, 64, 2, 1, True), V("new", 1024, 64, 2)],
+    2048: [V("new", 2048, 64, 4), V("new", 2048, 128, 2, 1, True), V("new", 2048, 128, 2)],
+    3072: [V("orig", 3072, 128, 4), V("new", 3072, 128, 3, 1, True), V("new", 3072, 128, 3),
+           V("acc1", 3072, 128, 3, 1, True)],
+    4096: [V("orig", 4096, 128, 4), V("new", 4096, 128, 4), V("new", 4096, 256, 2, 1, True), V("new", 4096, 256, 2),
+           V("acc1", 4096, 256, 2, 1, True), V("new", 4096, 512, 1, 1, True)],
+    8192: [V("new", 8192, 256, 4), V("new", 8192, 512, 2, 1, True), V("new", 8192, 512, 2)],
+}
+VARIANTS = V768 + [v for vs in WIDE.values() for v in vs]
 
 
 # ---- the library -------------------------------------------------------------------------------------
@@ -103,7 +121,7 @@ def prepare() -> None:
                               text=True).stdout
         (QLN / "orig" / name).write_text(text.replace(NS, "namespace opb::orig_frln"))
     kernel = (ROOT / SRC / "fused_relu_layernorm_kernel.cuh").read_text()
-    for name, ns, old, new in PATCHES:
+    for name, ns, old, new, _ in PATCHES:
         assert kernel.count(old) == 1, f"patch {name}: {old!r} not found once in the working tree's kernel"
         (QLN / name).mkdir(exist_ok=True)
         (QLN / name / "fused_relu_layernorm_kernel.cuh").write_text(
@@ -250,16 +268,18 @@ def time_case(timer, copy_gbps: float, rows: int, hidden: int, dtype, runs: dict
     case = f"{rows}x{hidden} {str(dtype).replace('torch.', '')}"
     base = statistics.median(x for t in per[next(iter(runs))] for x in t.samples_us)
     print(f"\n== {case}: {nbytes} B, {count} sets; floor at {copy_gbps:.0f} GB/s: {nbytes / copy_gbps / 1e3:.2f} us")
-    print(f"{'impl':28s} {'median us':>9s} {'round1':>8s} {'round2':>8s} {'of copy':>7s} {'vs first':>8s}  info")
+    print(f"{'impl':28s} {'median us':>9s} {'round1':>8s} {'round2':>8s} {'mean us':>8s} {'of copy':>7s} {'vs first':>8s}  info")
     for name, parts in per.items():
         samples = [x for t in parts for x in t.samples_us]
         med = statistics.median(samples)
         rmeds = [statistics.median(t.samples_us) for t in parts]
         frac = nbytes / med / 1e3 / copy_gbps
         info = runs[name].info
-        results["times"].append(dict(case=case, impl=name, us=med, rounds_us=rmeds, frac_copy=frac, **info))
+        mean = statistics.fmean(samples)
+        results["times"].append(dict(case=case, impl=name, us=med, rounds_us=rmeds, mean_us=mean, frac_copy=frac, **info))
         inf = " ".join(f"{k}={v}" for k, v in info.items())
-        print(f"{name:28s} {med:9.2f} {rmeds[0]:8.2f} {rmeds[1]:8.2f} {frac:7.3f} {base / med:8.3f}  {inf}", flush=True)
+        print(f"{name:28s} {med:9.2f} {rmeds[0]:8.2f} {rmeds[1]:8.2f} {mean:8.2f} {frac:7.3f} {base / med:8.3f}  {inf}",
+              flush=True)
     save()
     sets.clear()
     torch.cuda.empty_cache()
@@ -290,7 +310,9 @@ def main() -> None:
         good[name] = check_all(name, runs[name], all_shapes)
     for v in VARIANTS:
         runs[v.name] = launcher(v)
-        good[v.name] = check_all(v.name, runs[v.name], [(v.hidden, torch.bfloat16)])
+        good[v.name] = check_all(v.name, runs[v.name], [(v.hidden, torch.bfloat16)]) if v.checked else True
+    runs["torch.compile"] = compiled_layernorm()
+    good["torch.compile"] = True
     failed = [c for c in results["checks"] if not c["ok"]]
     print(f"checks: {len(results['checks']) - len(failed)} passed, {len(failed)} failed "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
@@ -299,12 +321,18 @@ def main() -> None:
     def pick(names):
         return {n: runs[n] for n in names if good[n]}
 
+    runs["new (dispatch) fresh y"] = fresh_outputs(runs["new (dispatch)"])
+    good["new (dispatch) fresh y"] = good["new (dispatch)"]
     base = ["orig (HEAD)", "new (dispatch)"]
-    stages = [(32768, 4096, torch.bfloat16, base + [v.name for v in V4096]),
-              (4096, 768, torch.bfloat16, base + [v.name for v in V768]),
-              (4096, 4096, torch.bfloat16, base + [v.name for v in V4096 if v.impl in ("orig", "new")])]
-    stages += [((1 << 26) // h, h, torch.bfloat16, base) for h in (1024, 2048, 3072, 8192)]
-    stages += [(32768, 2048, torch.float32, base), (4096, 768, torch.float32, base)]
+    short = base + ["new (dispatch) fresh y", "torch.compile"]
+    stages = [(4096, 768, torch.bfloat16, short + [v.name for v in V768]),
+              (4096, 768, torch.bfloat16, short + [v.name for v in V768 if v.impl != "orig"]),
+              (128, 4096, torch.bfloat16, short), (512, 768, torch.bfloat16, short),
+              (32768, 4096, torch.bfloat16, base + [v.name for v in WIDE[4096]]),
+              (4096, 4096, torch.bfloat16, short + [v.name for v in WIDE[4096]])]
+    stages += [((1 << 26) // h, h, torch.bfloat16, base + [v.name for v in WIDE[h]]) for h in (1024, 2048, 3072, 8192)]
+    stages += [(32768, 2048, torch.float32, base), (4096, 768, torch.float32, short),
+               (32768, 1000, torch.bfloat16, base), (32768, 4096, torch.float16, base)]
     for rows, hidden, dtype, names in stages:
         try:
             time_case(timer, copy_gbps, rows, hidden, dtype, pick(names))
@@ -313,7 +341,67 @@ def main() -> None:
 
             print(f"CASE FAILED {rows}x{hidden}\n{traceback.format_exc()}", flush=True)
         print(f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+    key = runs["torch.compile"].state["key"]
+    results.setdefault("compile_configs", []).extend(f"{key}: {c}" for c in triton_configs())
+    print("torch.compile's kernels:", *results["compile_configs"], sep="\n  ")
     save()
+
+
+def fresh_outputs(run):
+    """`run` with y, mean and rstd allocated on every call, as the op does (and torch.compile's code):
+    the caching allocator hands back the same blocks, which are then still in L2."""
+
+    def fresh(x, w, b, y, mean, rstd):
+        run(x, w, b, torch.empty_like(x), torch.empty_like(mean), torch.empty_like(rstd))
+
+    fresh.info = {}
+    return fresh
+
+
+def compiled_layernorm():
+    """torch.compile (default mode, static shapes, a fresh compile per shape as `opbuilder bench` does) of
+    the op's eager form, called like the variants (y, mean and rstd are not written: the compiled function
+    allocates its own output, as it does in a model). Before each recompile, the Triton configs of the
+    last shape are kept in results["compile_configs"]."""
+    state: dict = {"key": None, "f": None}
+
+    def run(x, w, b, y, mean, rstd):
+        key = (tuple(x.shape), x.dtype)
+        if key != state["key"]:
+            if state["key"] is not None:
+                results.setdefault("compile_configs", []).extend(f"{state['key']}: {c}" for c in triton_configs())
+            torch._dynamo.reset()
+            state["key"] = key
+            state["f"] = torch.compile(
+                lambda x, w, b: torch.nn.functional.layer_norm(torch.relu(x), (x.shape[-1],), w, b, EPS),
+                dynamic=False)
+        state["f"](x, w, b)
+
+    run.info = {}
+    run.state = state
+    return run
+
+
+def triton_configs() -> list[str]:
+    """The launch configuration each of torch.compile's Triton kernels settled on, read off inductor's
+    autotuner objects after the runs."""
+    import gc
+
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:
+        return ["(inductor's CachingAutotuner not found)"]
+    out = []
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, CachingAutotuner):
+                continue
+        except ReferenceError:  # a dead weak proxy among the objects
+            continue
+        for launcher in getattr(obj, "launchers", []) or []:
+            cfg = getattr(launcher, "config", None)
+            out.append(f"{getattr(obj.fn, '__name__', obj.fn)}: {cfg} n_regs={getattr(launcher, 'n_regs', '?')}")
+    return out
 
 
 QUICK_CU = r'''// Entry points for benchmarks/quick_layernorm.py (written by its --prepare; not part of the op).
