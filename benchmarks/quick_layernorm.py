@@ -1,14 +1,16 @@
 """A/B of fused_relu_layernorm's forward on the GPU: the committed kernel (git HEAD) beside the working
-tree's, at several launch shapes, in one run.
+tree's, at several launch shapes, and torch.compile, in one run.
 
 Built as a plain shared library (no torch headers; called through ctypes with raw pointers) from the
 source that `--prepare` writes: "orig" is git HEAD's launcher and kernels, copied into build/qln/orig/
 with the namespace renamed; "new" is the working tree's kernel template at explicit launch shapes, and its
-launcher ("dispatch": what the op runs); "cs-load" / "cs-store" are the working tree's kernel with x read
-by `__ldcs` / y written by `__stcs` again (textual patches, checked to apply). Every variant is checked
-against a float64 reference first (odd row counts, a large offset, no weight or bias, y poisoned with NaN
-beforehand), then timed with opbuilder's CUDA timer (opbuilder/bench/timing.py) on input sets rotated
-beyond 4x the L2, in two rounds (their spread is the noise), beside a device-to-device copy.
+launcher ("dispatch": what the op runs; "fresh y": with y, mean and rstd allocated each call, as the op
+and torch.compile's code do); the other names are textual patches of the working tree's kernel (PATCHES,
+checked to apply). Every variant is checked against a float64 reference first (odd row counts, a large
+offset, no weight or bias, y poisoned with NaN beforehand), except floors that compute something else on
+purpose, then timed with opbuilder's CUDA timer (opbuilder/bench/timing.py) on input sets rotated beyond
+4x the L2, in two rounds (their spread is the noise), beside a device-to-device copy. Event times come in
+steps of about 0.6 us, so for the short cases the mean column says more than the median.
 
   python3 benchmarks/quick_layernorm.py --prepare    here, with git and nvcc: writes and builds build/qln/
   OUT=dir python3 benchmarks/quick_layernorm.py      on the GPU machine (carry build/qln)
