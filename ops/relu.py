@@ -1,4 +1,8 @@
-"""relu: ``y = max(x, 0)`` (NaN kept), on CPU and CUDA, with autograd and torch.compile support."""
+"""relu: ``y = max(x, 0)`` (NaN kept), on CPU and CUDA, with autograd and torch.compile support.
+
+Where a gradient is needed, the forward runs ``relu_mask``, which also writes one bit per element (0
+where y <= 0: all the backward needs), and the backward reads those bits instead of y: a fp32 step moves
+4 x 4 + 1/8 bytes an element instead of 5 x 4 (torch.compile saves a byte an element)."""
 
 from __future__ import annotations
 
@@ -9,10 +13,25 @@ from opbuilder.ops._checks import check_float
 from opbuilder.lazy import LazyOps
 
 
+def mask_words(numel: int, dtype: torch.dtype) -> int:
+    """The int32 words of relu_mask's mask for ``numel`` elements of ``dtype`` (kernels/relu/relu_mask.h)."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    return -(-numel // (32 * per)) * per
+
+
 def _register(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::relu")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake(f"{ns}::relu_mask")
+    def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
+
+    @torch.library.register_fake(f"{ns}::relu_mask_backward")
+    def _(grad_y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
 
     def setup_context(ctx, inputs, output) -> None:
         ctx.save_for_backward(output)
@@ -24,6 +43,30 @@ def _register(ns: str) -> None:
 
     torch.library.register_autograd(f"{ns}::relu", backward, setup_context=setup_context)
 
+    mask_backward = getattr(torch.ops, ns).relu_mask_backward.default
+
+    def setup_mask(ctx, inputs, output) -> None:
+        _, mask = output
+        ctx.mark_non_differentiable(mask)
+        ctx.save_for_backward(mask)
+
+    def backward_mask(ctx, grad_y: torch.Tensor, _grad_mask: torch.Tensor | None) -> torch.Tensor:
+        (mask,) = ctx.saved_tensors
+        return mask_backward(grad_y, mask)
+
+    torch.library.register_autograd(f"{ns}::relu_mask", backward_mask, setup_context=setup_mask)
+
+    # The backward is linear in grad_y with the same mask: its own gradient is itself.
+    def setup_mask_backward(ctx, inputs, output) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    def backward_mask_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return mask_backward(grad, mask), None
+
+    torch.library.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
+                                    setup_context=setup_mask_backward)
+
 
 _ops = LazyOps("relu", _register)
 
@@ -33,9 +76,21 @@ def relu_op() -> torch._ops.OpOverload:
     return _ops().relu.default
 
 
+def relu_mask_op() -> torch._ops.OpOverload:
+    """``relu_mask(x) -> (y, mask)``: relu and the sign bits its backward reads."""
+    return _ops().relu_mask.default
+
+
+def relu_mask_backward_op() -> torch._ops.OpOverload:
+    """``relu_mask_backward(grad_y, mask) -> grad_x``."""
+    return _ops().relu_mask_backward.default
+
+
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
     check_float("relu", "x", x)
+    if x.requires_grad and torch.is_grad_enabled():
+        return relu_mask_op()(x)[0]
     return relu_op()(x)
 
 

@@ -410,6 +410,12 @@ def test_relu(case: Case) -> None:
     (x,) = case.args
     # Exact (relu rounds nothing); NaN stays NaN as in torch.relu.
     assert_matches("relu", y, torch.relu(_cpu(x, torch.float64)), [], x.dtype, device)
+    # The training path (relu_mask, then the backward from its bits) against torch's own, bit for bit.
+    ours, theirs = x.detach().requires_grad_(), x.detach().requires_grad_()
+    grad = (torch.arange(x.numel(), device=device).reshape(x.shape) % 7 - 3).to(x.dtype)
+    ops.relu(ours).backward(grad)
+    torch.relu(theirs).backward(grad)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0, equal_nan=True)
 
 
 # ---- softmax ------------------------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 // relu launcher: picks the vector or scalar path and the grid from the size.
 #include "relu.cuh"
+
+#include <algorithm>
+#include <cstdint>
+
 #include "relu_kernel.cuh"
+#include "relu_mask.h"
+#include "relu_mask_kernel.cuh"
 
 namespace opb::relu {
 namespace {
@@ -33,6 +39,42 @@ cudaError_t launch_typed(const T* x, T* y, int64_t n, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A warp a tile of 32 x 16 bytes, 2 tiles a warp, 128 threads: the shape of the plain relu above.
+constexpr int kMaskUnroll = 2;
+
+inline unsigned mask_blocks(int64_t tiles) {
+  const int64_t per_block = int64_t(kThreads / 32) * kMaskUnroll;
+  return static_cast<unsigned>(std::min<int64_t>((tiles + per_block - 1) / per_block, int64_t(1) << 30));
+}
+
+template <typename T>
+cudaError_t launch_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t tiles = (n + mask_tile(sizeof(T)) - 1) / mask_tile(sizeof(T));
+  if (aligned16(x) && aligned16(y)) {
+    relu_mask_kernel<T, true, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(x, y, mask, n, tiles);
+  } else {
+    relu_mask_kernel<T, false, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(x, y, mask, n, tiles);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_mask_backward_typed(const T* dy, const uint32_t* mask, T* dx, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t tiles = (n + mask_tile(sizeof(T)) - 1) / mask_tile(sizeof(T));
+  if (aligned16(dy) && aligned16(dx)) {
+    relu_mask_backward_kernel<T, true, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(dy, mask, dx, n,
+                                                                                                  tiles);
+  } else {
+    relu_mask_backward_kernel<T, false, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(dy, mask, dx, n,
+                                                                                                   tiles);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch(const void* x, void* y, int64_t n, DType dtype, cudaStream_t stream) {
@@ -45,6 +87,38 @@ cudaError_t launch(const void* x, void* y, int64_t n, DType dtype, cudaStream_t 
       return launch_typed(static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, stream);
     case DType::Float64:
       return launch_typed(static_cast<const double*>(x), static_cast<double*>(y), n, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_mask(const void* x, void* y, void* mask, int64_t n, DType dtype, cudaStream_t stream) {
+  auto* m = static_cast<uint32_t*>(mask);
+  switch (dtype) {
+    case DType::Float32:
+      return launch_mask_typed(static_cast<const float*>(x), static_cast<float*>(y), m, n, stream);
+    case DType::Float16:
+      return launch_mask_typed(static_cast<const __half*>(x), static_cast<__half*>(y), m, n, stream);
+    case DType::BFloat16:
+      return launch_mask_typed(static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), m, n, stream);
+    case DType::Float64:
+      return launch_mask_typed(static_cast<const double*>(x), static_cast<double*>(y), m, n, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_mask_backward(const void* dy, const void* mask, void* dx, int64_t n, DType dtype,
+                                 cudaStream_t stream) {
+  const auto* m = static_cast<const uint32_t*>(mask);
+  switch (dtype) {
+    case DType::Float32:
+      return launch_mask_backward_typed(static_cast<const float*>(dy), m, static_cast<float*>(dx), n, stream);
+    case DType::Float16:
+      return launch_mask_backward_typed(static_cast<const __half*>(dy), m, static_cast<__half*>(dx), n, stream);
+    case DType::BFloat16:
+      return launch_mask_backward_typed(static_cast<const __nv_bfloat16*>(dy), m, static_cast<__nv_bfloat16*>(dx), n,
+                                        stream);
+    case DType::Float64:
+      return launch_mask_backward_typed(static_cast<const double*>(dy), m, static_cast<double*>(dx), n, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -2,6 +2,10 @@
 #include "relu_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+
+#include "relu_mask.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -19,7 +23,71 @@ void relu_typed(const T* x, T* y, int64_t n) {
   });
 }
 
+// The mask's layout (relu_mask.h), tile by tile: element o of a tile at bit o / P of word o % P.
+template <typename T>
+void relu_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n) {
+  constexpr int P = 16 / sizeof(T);
+  constexpr int64_t kTile = mask_tile(sizeof(T));
+  at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t base = t * kTile, m = std::min(kTile, n - base);
+      uint32_t words[P] = {};
+      for (int64_t o = 0; o < m; ++o) {
+        const T v = x[base + o];
+        y[base + o] = v < T(0) ? T(0) : v;
+        words[o % P] |= uint32_t(!(v <= T(0))) << (o / P);  // 1 for NaN, as torch's backward
+      }
+      std::copy(words, words + P, mask + t * P);
+    }
+  });
+}
+
+template <typename T>
+void relu_mask_backward_typed(const T* dy, const uint32_t* mask, T* dx, int64_t n) {
+  constexpr int P = 16 / sizeof(T);
+  constexpr int64_t kTile = mask_tile(sizeof(T));
+  at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t base = t * kTile, m = std::min(kTile, n - base);
+      const uint32_t* words = mask + t * P;
+      for (int64_t o = 0; o < m; ++o) dx[base + o] = (words[o % P] >> (o / P)) & 1u ? dy[base + o] : T(0);
+    }
+  });
+}
+
+template <template <typename> class F, typename... Args>
+void by_dtype(DType dtype, Args... args) {
+  switch (dtype) {
+    case DType::Float32: return F<float>::run(args...);
+    case DType::Float16: return F<c10::Half>::run(args...);
+    case DType::BFloat16: return F<c10::BFloat16>::run(args...);
+    case DType::Float64: return F<double>::run(args...);
+  }
+}
+
+template <typename T>
+struct MaskFwd {
+  static void run(const void* x, void* y, void* mask, int64_t n) {
+    relu_mask_typed(static_cast<const T*>(x), static_cast<T*>(y), static_cast<uint32_t*>(mask), n);
+  }
+};
+
+template <typename T>
+struct MaskBwd {
+  static void run(const void* dy, const void* mask, void* dx, int64_t n) {
+    relu_mask_backward_typed(static_cast<const T*>(dy), static_cast<const uint32_t*>(mask), static_cast<T*>(dx), n);
+  }
+};
+
 }  // namespace
+
+void relu_mask_cpu(const void* x, void* y, void* mask, int64_t n, DType dtype) {
+  by_dtype<MaskFwd>(dtype, x, y, mask, n);
+}
+
+void relu_mask_backward_cpu(const void* dy, const void* mask, void* dx, int64_t n, DType dtype) {
+  by_dtype<MaskBwd>(dtype, dy, mask, dx, n);
+}
 
 void relu_cpu(const void* x, void* y, int64_t n, DType dtype) {
   switch (dtype) {
