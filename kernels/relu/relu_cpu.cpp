@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "relu_mask.h"
 #include <c10/util/BFloat16.h>
@@ -23,7 +25,9 @@ void relu_typed(const T* x, T* y, int64_t n) {
   });
 }
 
-// The mask's layout (relu_mask.h), tile by tile: element o of a tile at bit o / P of word o % P.
+// The mask's layout (relu_mask.h), tile by tile: element o of a tile at bit o / P of word o % P. Walked in
+// memory order, o = l * P + k: the P words move together, one bit a step, which the compiler turns into
+// vector operations on all P words at once. The last, partial tile takes the same loop with bounds.
 template <typename T>
 void relu_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n) {
   constexpr int P = 16 / sizeof(T);
@@ -31,13 +35,24 @@ void relu_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n) {
   at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t base = t * kTile, m = std::min(kTile, n - base);
-      uint32_t words[P] = {};
-      for (int64_t o = 0; o < m; ++o) {
-        const T v = x[base + o];
-        y[base + o] = v < T(0) ? T(0) : v;
-        words[o % P] |= uint32_t(!(v <= T(0))) << (o / P);  // 1 for NaN, as torch's backward
+      const T* xt = x + base;
+      T* yt = y + base;
+      uint32_t w[P] = {};
+      if (m == kTile) {
+        for (int l = 0; l < 32; ++l) {
+          for (int k = 0; k < P; ++k) {
+            const T v = xt[l * P + k];
+            yt[l * P + k] = v < T(0) ? T(0) : v;
+            w[k] |= uint32_t(!(v <= T(0))) << l;  // 1 for NaN, as torch's backward
+          }
+        }
+      } else {
+        for (int64_t o = 0; o < m; ++o) {
+          yt[o] = xt[o] < T(0) ? T(0) : xt[o];
+          w[o % P] |= uint32_t(!(xt[o] <= T(0))) << (o / P);
+        }
       }
-      std::copy(words, words + P, mask + t * P);
+      std::copy(w, w + P, mask + t * P);
     }
   });
 }
@@ -49,8 +64,25 @@ void relu_mask_backward_typed(const T* dy, const uint32_t* mask, T* dx, int64_t 
   at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t base = t * kTile, m = std::min(kTile, n - base);
-      const uint32_t* words = mask + t * P;
-      for (int64_t o = 0; o < m; ++o) dx[base + o] = (words[o % P] >> (o / P)) & 1u ? dy[base + o] : T(0);
+      const T* g = dy + base;
+      T* out = dx + base;
+      uint32_t w[P];
+      std::copy(mask + t * P, mask + t * P + P, w);
+      if (m == kTile) {
+        // As bits: keep all of an element's bits or none, +0 where the mask's bit is 0.
+        using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+        U bits[kTile];
+        std::memcpy(bits, g, sizeof(bits));
+        for (int l = 0; l < 32; ++l) {
+          for (int k = 0; k < P; ++k) {
+            bits[l * P + k] &= U(0) - U(w[k] & 1u);
+            w[k] >>= 1;
+          }
+        }
+        std::memcpy(out, bits, sizeof(bits));
+      } else {
+        for (int64_t o = 0; o < m; ++o) out[o] = (w[o % P] >> (o / P)) & 1u ? g[o] : T(0);
+      }
     }
   });
 }
