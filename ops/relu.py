@@ -15,7 +15,7 @@ from opbuilder.lazy import LazyOps
 
 def mask_words(numel: int, dtype: torch.dtype) -> int:
     """The int32 words of relu_mask's mask for ``numel`` elements of ``dtype`` (kernels/relu/relu_mask.h)."""
-    per = 16 // torch.empty((), dtype=dtype).element_size()
+    per = 16 // dtype.itemsize
     return -(-numel // (32 * per)) * per
 
 

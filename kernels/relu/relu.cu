@@ -18,12 +18,13 @@ constexpr int kThreads = 128;
 constexpr int kUnroll = 2;
 constexpr bool kStream = false;
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 template <typename T>
 cudaError_t launch_typed(const T* x, T* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   constexpr int kPer = 16 / sizeof(T);
-  const bool aligned = (reinterpret_cast<uintptr_t>(x) % 16 == 0) && (reinterpret_cast<uintptr_t>(y) % 16 == 0);
-  int64_t n_vec = aligned ? n / kPer : 0;
+  int64_t n_vec = aligned16(x) && aligned16(y) ? n / kPer : 0;
   if (n_vec > 0) {
     int64_t blocks = (n_vec + int64_t(kThreads) * kUnroll - 1) / (int64_t(kThreads) * kUnroll);
     relu_vec_kernel<T, kThreads, kUnroll, kStream><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
@@ -39,13 +40,9 @@ cudaError_t launch_typed(const T* x, T* y, int64_t n, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// A warp a tile of 32 x 16 bytes, 2 tiles a warp, 128 threads: the shape of the plain relu above.
-constexpr int kMaskUnroll = 2;
-
+// A warp a tile of 32 x 16 bytes, kUnroll tiles a warp, kThreads threads: the shape of the plain relu above.
 inline unsigned mask_blocks(int64_t tiles) {
-  const int64_t per_block = int64_t(kThreads / 32) * kMaskUnroll;
+  const int64_t per_block = int64_t(kThreads / 32) * kUnroll;
   return static_cast<unsigned>(std::min<int64_t>((tiles + per_block - 1) / per_block, int64_t(1) << 30));
 }
 
@@ -54,9 +51,9 @@ cudaError_t launch_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n, cudaS
   if (n == 0) return cudaSuccess;
   const int64_t tiles = (n + mask_tile(sizeof(T)) - 1) / mask_tile(sizeof(T));
   if (aligned16(x) && aligned16(y)) {
-    relu_mask_kernel<T, true, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(x, y, mask, n, tiles);
+    relu_mask_kernel<T, true, kUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(x, y, mask, n, tiles);
   } else {
-    relu_mask_kernel<T, false, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(x, y, mask, n, tiles);
+    relu_mask_kernel<T, false, kUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(x, y, mask, n, tiles);
   }
   return cudaGetLastError();
 }
@@ -66,61 +63,48 @@ cudaError_t launch_mask_backward_typed(const T* dy, const uint32_t* mask, T* dx,
   if (n == 0) return cudaSuccess;
   const int64_t tiles = (n + mask_tile(sizeof(T)) - 1) / mask_tile(sizeof(T));
   if (aligned16(dy) && aligned16(dx)) {
-    relu_mask_backward_kernel<T, true, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(dy, mask, dx, n,
-                                                                                                  tiles);
+    relu_mask_backward_kernel<T, true, kUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(dy, mask, dx, n, tiles);
   } else {
-    relu_mask_backward_kernel<T, false, kMaskUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(dy, mask, dx, n,
-                                                                                                   tiles);
+    relu_mask_backward_kernel<T, false, kUnroll><<<mask_blocks(tiles), kThreads, 0, stream>>>(dy, mask, dx, n, tiles);
   }
   return cudaGetLastError();
+}
+
+// f(T{}) for the element type of `dtype`.
+template <typename F>
+cudaError_t with_type(DType dtype, const F& f) {
+  switch (dtype) {
+    case DType::Float32: return f(float{});
+    case DType::Float16: return f(__half{});
+    case DType::BFloat16: return f(__nv_bfloat16{});
+    case DType::Float64: return f(double{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t launch(const void* x, void* y, int64_t n, DType dtype, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::Float32:
-      return launch_typed(static_cast<const float*>(x), static_cast<float*>(y), n, stream);
-    case DType::Float16:
-      return launch_typed(static_cast<const __half*>(x), static_cast<__half*>(y), n, stream);
-    case DType::BFloat16:
-      return launch_typed(static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), n, stream);
-    case DType::Float64:
-      return launch_typed(static_cast<const double*>(x), static_cast<double*>(y), n, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_type(dtype, [&](auto v) {
+    using T = decltype(v);
+    return launch_typed(static_cast<const T*>(x), static_cast<T*>(y), n, stream);
+  });
 }
 
 cudaError_t launch_mask(const void* x, void* y, void* mask, int64_t n, DType dtype, cudaStream_t stream) {
-  auto* m = static_cast<uint32_t*>(mask);
-  switch (dtype) {
-    case DType::Float32:
-      return launch_mask_typed(static_cast<const float*>(x), static_cast<float*>(y), m, n, stream);
-    case DType::Float16:
-      return launch_mask_typed(static_cast<const __half*>(x), static_cast<__half*>(y), m, n, stream);
-    case DType::BFloat16:
-      return launch_mask_typed(static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), m, n, stream);
-    case DType::Float64:
-      return launch_mask_typed(static_cast<const double*>(x), static_cast<double*>(y), m, n, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_type(dtype, [&](auto v) {
+    using T = decltype(v);
+    return launch_mask_typed(static_cast<const T*>(x), static_cast<T*>(y), static_cast<uint32_t*>(mask), n, stream);
+  });
 }
 
 cudaError_t launch_mask_backward(const void* dy, const void* mask, void* dx, int64_t n, DType dtype,
                                  cudaStream_t stream) {
-  const auto* m = static_cast<const uint32_t*>(mask);
-  switch (dtype) {
-    case DType::Float32:
-      return launch_mask_backward_typed(static_cast<const float*>(dy), m, static_cast<float*>(dx), n, stream);
-    case DType::Float16:
-      return launch_mask_backward_typed(static_cast<const __half*>(dy), m, static_cast<__half*>(dx), n, stream);
-    case DType::BFloat16:
-      return launch_mask_backward_typed(static_cast<const __nv_bfloat16*>(dy), m, static_cast<__nv_bfloat16*>(dx), n,
-                                        stream);
-    case DType::Float64:
-      return launch_mask_backward_typed(static_cast<const double*>(dy), m, static_cast<double*>(dx), n, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_type(dtype, [&](auto v) {
+    using T = decltype(v);
+    return launch_mask_backward_typed(static_cast<const T*>(dy), static_cast<const uint32_t*>(mask),
+                                      static_cast<T*>(dx), n, stream);
+  });
 }
 
 }  // namespace opb::relu

@@ -7,9 +7,10 @@
 #include <cstring>
 #include <type_traits>
 
-#include "relu_mask.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#include "relu_mask.h"
 
 namespace opb::relu {
 namespace {
@@ -25,35 +26,41 @@ void relu_typed(const T* x, T* y, int64_t n) {
   });
 }
 
-// The mask's layout (relu_mask.h), tile by tile: element o of a tile at bit o / P of word o % P. Walked in
-// memory order, o = l * P + k: the P words move together, one bit a step, which the compiler turns into
-// vector operations on all P words at once. The last, partial tile takes the same loop with bounds.
+// Calls f(t, base, m) for every tile t of the mask's layout (relu_mask.h): elements base .. base + m - 1,
+// m = the tile's size but in the last tile. Tiles run in parallel, about 32K elements a task.
+template <typename T, typename F>
+void for_each_tile(int64_t n, const F& f) {
+  constexpr int64_t kTile = mask_tile(sizeof(T));
+  at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) f(t, t * kTile, std::min(kTile, n - t * kTile));
+  });
+}
+
+// Element o of a tile sits at bit o / P of word o % P. Walked in memory order, o = l * P + k: the P words
+// move together, one bit a step, which the compiler turns into vector operations on all P words at once.
+// The last, partial tile takes a plain loop with bounds.
 template <typename T>
 void relu_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n) {
   constexpr int P = 16 / sizeof(T);
-  constexpr int64_t kTile = mask_tile(sizeof(T));
-  at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t base = t * kTile, m = std::min(kTile, n - base);
-      const T* xt = x + base;
-      T* yt = y + base;
-      uint32_t w[P] = {};
-      if (m == kTile) {
-        for (int l = 0; l < 32; ++l) {
-          for (int k = 0; k < P; ++k) {
-            const T v = xt[l * P + k];
-            yt[l * P + k] = v < T(0) ? T(0) : v;
-            w[k] |= uint32_t(!(v <= T(0))) << l;  // 1 for NaN, as torch's backward
-          }
-        }
-      } else {
-        for (int64_t o = 0; o < m; ++o) {
-          yt[o] = xt[o] < T(0) ? T(0) : xt[o];
-          w[o % P] |= uint32_t(!(xt[o] <= T(0))) << (o / P);
+  for_each_tile<T>(n, [&](int64_t t, int64_t base, int64_t m) {
+    const T* xt = x + base;
+    T* yt = y + base;
+    uint32_t w[P] = {};
+    if (m == mask_tile(sizeof(T))) {
+      for (int l = 0; l < 32; ++l) {
+        for (int k = 0; k < P; ++k) {
+          const T v = xt[l * P + k];
+          yt[l * P + k] = v < T(0) ? T(0) : v;
+          w[k] |= uint32_t(!(v <= T(0))) << l;  // 1 for NaN, as torch's backward
         }
       }
-      std::copy(w, w + P, mask + t * P);
+    } else {
+      for (int64_t o = 0; o < m; ++o) {
+        yt[o] = xt[o] < T(0) ? T(0) : xt[o];
+        w[o % P] |= uint32_t(!(xt[o] <= T(0))) << (o / P);
+      }
     }
+    std::copy(w, w + P, mask + t * P);
   });
 }
 
@@ -61,77 +68,61 @@ template <typename T>
 void relu_mask_backward_typed(const T* dy, const uint32_t* mask, T* dx, int64_t n) {
   constexpr int P = 16 / sizeof(T);
   constexpr int64_t kTile = mask_tile(sizeof(T));
-  at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t base = t * kTile, m = std::min(kTile, n - base);
-      const T* g = dy + base;
-      T* out = dx + base;
-      uint32_t w[P];
-      std::copy(mask + t * P, mask + t * P + P, w);
-      if (m == kTile) {
-        // As bits: keep all of an element's bits or none, +0 where the mask's bit is 0.
-        using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
-        U bits[kTile];
-        std::memcpy(bits, g, sizeof(bits));
-        for (int l = 0; l < 32; ++l) {
-          for (int k = 0; k < P; ++k) {
-            bits[l * P + k] &= U(0) - U(w[k] & 1u);
-            w[k] >>= 1;
-          }
+  for_each_tile<T>(n, [&](int64_t t, int64_t base, int64_t m) {
+    const T* g = dy + base;
+    T* out = dx + base;
+    uint32_t w[P];
+    std::copy(mask + t * P, mask + t * P + P, w);
+    if (m == kTile) {
+      // As bits: keep all of an element's bits or none, +0 where the mask's bit is 0.
+      using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+      U bits[kTile];
+      std::memcpy(bits, g, sizeof(bits));
+      for (int l = 0; l < 32; ++l) {
+        for (int k = 0; k < P; ++k) {
+          bits[l * P + k] &= U(0) - U(w[k] & 1u);
+          w[k] >>= 1;
         }
-        std::memcpy(out, bits, sizeof(bits));
-      } else {
-        for (int64_t o = 0; o < m; ++o) out[o] = (w[o % P] >> (o / P)) & 1u ? g[o] : T(0);
       }
+      std::memcpy(out, bits, sizeof(bits));
+    } else {
+      for (int64_t o = 0; o < m; ++o) out[o] = (w[o % P] >> (o / P)) & 1u ? g[o] : T(0);
     }
   });
 }
 
-template <template <typename> class F, typename... Args>
-void by_dtype(DType dtype, Args... args) {
+// f(T{}) for the element type of `dtype`.
+template <typename F>
+void with_type(DType dtype, const F& f) {
   switch (dtype) {
-    case DType::Float32: return F<float>::run(args...);
-    case DType::Float16: return F<c10::Half>::run(args...);
-    case DType::BFloat16: return F<c10::BFloat16>::run(args...);
-    case DType::Float64: return F<double>::run(args...);
+    case DType::Float32: return f(float{});
+    case DType::Float16: return f(c10::Half{});
+    case DType::BFloat16: return f(c10::BFloat16{});
+    case DType::Float64: return f(double{});
   }
 }
-
-template <typename T>
-struct MaskFwd {
-  static void run(const void* x, void* y, void* mask, int64_t n) {
-    relu_mask_typed(static_cast<const T*>(x), static_cast<T*>(y), static_cast<uint32_t*>(mask), n);
-  }
-};
-
-template <typename T>
-struct MaskBwd {
-  static void run(const void* dy, const void* mask, void* dx, int64_t n) {
-    relu_mask_backward_typed(static_cast<const T*>(dy), static_cast<const uint32_t*>(mask), static_cast<T*>(dx), n);
-  }
-};
 
 }  // namespace
 
+void relu_cpu(const void* x, void* y, int64_t n, DType dtype) {
+  with_type(dtype, [&](auto v) {
+    using T = decltype(v);
+    relu_typed(static_cast<const T*>(x), static_cast<T*>(y), n);
+  });
+}
+
 void relu_mask_cpu(const void* x, void* y, void* mask, int64_t n, DType dtype) {
-  by_dtype<MaskFwd>(dtype, x, y, mask, n);
+  with_type(dtype, [&](auto v) {
+    using T = decltype(v);
+    relu_mask_typed(static_cast<const T*>(x), static_cast<T*>(y), static_cast<uint32_t*>(mask), n);
+  });
 }
 
 void relu_mask_backward_cpu(const void* dy, const void* mask, void* dx, int64_t n, DType dtype) {
-  by_dtype<MaskBwd>(dtype, dy, mask, dx, n);
-}
-
-void relu_cpu(const void* x, void* y, int64_t n, DType dtype) {
-  switch (dtype) {
-    case DType::Float32:
-      return relu_typed(static_cast<const float*>(x), static_cast<float*>(y), n);
-    case DType::Float16:
-      return relu_typed(static_cast<const c10::Half*>(x), static_cast<c10::Half*>(y), n);
-    case DType::BFloat16:
-      return relu_typed(static_cast<const c10::BFloat16*>(x), static_cast<c10::BFloat16*>(y), n);
-    case DType::Float64:
-      return relu_typed(static_cast<const double*>(x), static_cast<double*>(y), n);
-  }
+  with_type(dtype, [&](auto v) {
+    using T = decltype(v);
+    relu_mask_backward_typed(static_cast<const T*>(dy), static_cast<const uint32_t*>(mask), static_cast<T*>(dx), n);
+  });
 }
 
 }  // namespace opb::relu
