@@ -71,7 +71,7 @@ template <typename T, int VEC>
 cudaError_t fwd_dispatch(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = (a.hidden + VEC - 1) / VEC;
   if constexpr (VEC > 1) {
-    switch (nvec * VEC == a.hidden ? nvec : 0) {
+    switch (nvec) {  // the 16-byte path has hidden == nvec * VEC
       case 32: return fwd_reg<T, VEC, 1, 32, true, true>(a, stream);
       case 64: return fwd_reg<T, VEC, 2, 32, true, true>(a, stream);
       case 96: return fwd_reg<T, VEC, 3, 32, true, true>(a, stream);
