@@ -32,6 +32,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -43,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = Path(__file__).with_name("issue14_kernels.cu")
 LIB_PATH = ROOT / "build" / "issue14" / "libissue14.so"
 OUT = Path(os.environ.get("OUT", "/tmp"))
+if str(ROOT) not in sys.path:  # opbuilder from this checkout, whether or not it is installed
+    sys.path.insert(0, str(ROOT))
 NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
 NVCC_FLAGS = [  # as the op builder compiles CUDA (opbuilder/builder.py, torch's cpp_extension defines)
     "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
