@@ -58,6 +58,8 @@ const Variant kVariants[] = {
     SMO(float, 0, 4, 256, 256, Ld::Nc, St::Cs, "once 256x4 nc/cs"),
     SMO(float, 0, 4, 256, 256, Ld::Ca, St::Cs, "once 256x4 ca/cs"),
     SMO(float, 0, 8, 128, 256, Ld::Nc, St::Cs, "once 128x8 nc/cs"),
+    SMO(float, 0, 8, 128, 256, Ld::Nc, St::Wb, "once 128x8 nc/wb"),
+    SMO(float, 0, 8, 128, 256, Ld::Ca, St::Cs, "once 128x8 ca/cs"),
     SMO(float, 0, 2, 512, 1024, Ld::Nc, St::Cs, "once 512x2 nc/cs"),
     SMO(float, 0, 2, 512, 1024, Ld::Nc, St::Wb, "once 512x2 nc/wb"),
     // softmax forward, fp32 rows of 32768 (8192 vectors): HEAD 1024 x 8 nc/wb.
@@ -93,6 +95,9 @@ const Variant kVariants[] = {
     SMB(bf, 1, 4, 128, 256, Ld::Nc, Ld::Nc, St::Wb, "128x4 nc,nc/wb"),
     SMB(bf, 1, 8, 64, 256, Ld::Nc, Ld::Nc, St::Wb, "64x8 nc,nc/wb"),
     SMB(bf, 1, 1, 512, 1024, Ld::Nc, Ld::Nc, St::Wb, "512x1 nc,nc/wb"),
+    SMB(bf, 1, 1, 512, 1024, Ld::Cs, Ld::Cs, St::Cs, "512x1 cs,cs/cs"),
+    SMB(bf, 1, 1, 512, 1024, Ld::Nc, Ld::Nc, St::Cs, "512x1 nc,nc/cs"),
+    SMB(bf, 1, 1, 512, 1024, Ld::Ca, Ld::Ca, St::Wb, "512x1 ca,ca/wb"),
     // add+RMSNorm forward, bf16 hidden 4096 (512 packs): HEAD 512 x 1, weight early, plain loads and stores.
     RMF(1, 512, false, false, "512x1 plain/wb"),
     RMF(1, 512, false, true, "512x1 plain/cs"),

@@ -76,12 +76,14 @@ bool vectorizable(int64_t cols, DType dtype, const void* const* ptrs, int n_ptrs
   return true;
 }
 
-// Measured (forward: benchmarks/tune_softmax.py on an H100, NOTES.md; backward: an earlier sweep on an
-// H200): 4 vectors a thread (forward; 2 for backward, which holds two rows) and up to 256 threads per
-// block, then 8 (backward 4) with up to 1024 threads, are as fast as any other block shape and beat
-// splitting a row across a cluster: fp32 4096 cols 256x4 0.90 of copy (128x8 0.91, 256x2 0.76);
-// fp32 32768 cols 1024x8 0.995 (cluster 2x512x8 0.93); bf16 32768 cols 512x8 0.99 (cluster 2x256x8
-// 0.93); bf16 backward 4096 cols 256x2 0.92 (128x4 0.91).
+// Measured (benchmarks/tune_softmax.py and benchmarks/tuning/issue14.py on an H100, NOTES.md; the
+// backward first on an H200): rows that fit a block of up to 256 threads hold 4 vectors a thread up to
+// 128 threads, then 8; longer rows 8 with up to 1024 threads; both beat splitting a row across a cluster.
+// More rows in flight on an SM is what the forward gains from: fp32 4096 cols 128x8 49.7 us against
+// 256x4's 50.5 (the two-reduction kernel: 49.2); fp32 32768 cols 1024x8 0.99 of copy (cluster 2x512x8
+// 0.93); bf16 32768 cols 512x8 0.98 (cluster 2x256x8 0.93). The backward wants threads instead: bf16
+// 4096 cols, 32768 rows, 512x1 265 us = 1.00 of copy, 256x2 282, 128x4 319; rows of 257..512 vectors
+// take one vector a thread. Shorter rows keep 2 a thread (not measured against 1).
 Plan default_plan(const Problem& p) {
   const int64_t vectors = row_vectors(p);
   const int small_vpt = p.backward ? 2 : 4;
@@ -96,7 +98,13 @@ Plan default_plan(const Problem& p) {
     plan.cluster = 1;
     return plan;
   }
-  if (vectors <= 256 * small_vpt) return block_shape(vectors, small_vpt);
+  if (p.backward) {
+    if (vectors <= 256) return block_shape(vectors, small_vpt);
+    if (vectors <= 512) return block_shape(vectors, 1);  // 288..512 threads, one vector each
+  } else {
+    if (vectors <= 128 * small_vpt) return block_shape(vectors, small_vpt);
+    if (vectors <= 256 * big_vpt) return block_shape(vectors, big_vpt);  // 128..256 threads of 8 vectors
+  }
   const int64_t block_vectors = int64_t(1024) * big_vpt;
   if (vectors <= block_vectors) return block_shape(vectors, big_vpt);
 
@@ -134,8 +142,9 @@ const char* plan_error(const Plan& plan, const Problem& p) {
       if (plan.vpt != 1 && plan.vpt != 2 && plan.vpt != 4 && plan.vpt != 8)
         return "block path: vpt must be 1, 2, 4 or 8";
       if (plan.threads < 32 || plan.threads % 32 != 0) return "block path: threads must be a positive multiple of 32";
-      if (plan.threads > 1024 || (plan.threads > 256 && plan.vpt != big_vpt))
-        return p.backward ? "block path: threads must be <= 256, or <= 1024 with vpt 4"
+      const bool big_ok = plan.vpt == big_vpt || (p.backward && plan.vpt == 1);
+      if (plan.threads > 1024 || (plan.threads > 256 && !big_ok))
+        return p.backward ? "block path: threads must be <= 256, or <= 1024 with vpt 1 or 4"
                           : "block path: threads must be <= 256, or <= 1024 with vpt 8";
       if (plan.cluster < 1 || plan.cluster > 8) return "block path: cluster must be 1..8";
       if (plan.cluster > 1 && !device_info(p.device).clusters)

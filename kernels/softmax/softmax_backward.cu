@@ -27,7 +27,7 @@ cudaError_t backward_typed(const Problem& p, const Plan& plan, const T* y, const
         if (plan.threads <= 256)
           return launch(backward_block_kernel<T, N, kVpt, 256>, blocks, plan.threads, plan.cluster, stream, y, dy, dx,
                         p.cols);
-        if constexpr (kVpt == kBigVptBackward)
+        if constexpr (kVpt == kBigVptBackward || kVpt == 1)
           return launch(backward_block_kernel<T, N, kVpt, 1024>, blocks, plan.threads, plan.cluster, stream, y, dy,
                         dx, p.cols);
         return cudaErrorInvalidValue;

@@ -522,8 +522,9 @@ __global__ void __launch_bounds__(kWarpPathThreads)
   write_grad<St::Cs>(ys, dys, dot, dx + row * cols);
 }
 
-// LD_Y, LD_DY, ST: cache policies of y's and grad_y's loads and grad_x's stores.
-template <typename T, int N, int VPT, int MAX_THREADS, Ld LD_Y = Ld::Cs, Ld LD_DY = Ld::Cs, St ST = St::Cs>
+// LD_Y, LD_DY, ST: cache policies of y's and grad_y's loads and grad_x's stores. Plain ones by default:
+// on the H100 (bf16 4096 cols, 32768 rows, 256 x 2) 282 us against 290 with evict-first loads and stores.
+template <typename T, int N, int VPT, int MAX_THREADS, Ld LD_Y = Ld::Nc, Ld LD_DY = Ld::Nc, St ST = St::Wb>
 __global__ void __launch_bounds__(MAX_THREADS)
     backward_block_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t cols) {
   using Acc = typename AccOf<T>::type;
