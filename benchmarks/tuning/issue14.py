@@ -19,7 +19,11 @@ outputs allocated per call as the ops do, two rounds taken in turns (the spread 
 Some cases are also timed with triton's do_bench (an L2 flush before each call; column "flush").
 
   python3 benchmarks/tuning/issue14.py --build      here: nvcc -> build/issue14/libissue14.so
+  python3 benchmarks/tuning/issue14.py --build-sweep REV   here: softmax's launchers of git REV and of the working
+                                                    tree -> build/issue14/sweep_{base,new}.so
   OUT=dir python3 benchmarks/tuning/issue14.py      GPU machine (rebuilds the library if it does not load)
+  OUT=dir python3 benchmarks/tuning/issue14.py --only sweep   softmax forward and backward with each tree's own
+                                                    default plans, side by side over more shapes than the bench
 Writes $OUT/issue14.json; prints a table per case and a summary last.
 """
 
@@ -505,6 +509,123 @@ def matmul_case(b: Bench, shape: tuple[int, int, int, int]) -> None:
     torch.cuda.empty_cache()
 
 
+# ---- softmax sweep: two trees' launchers, default plans ----------------------------------------------------
+
+SWEEP_SRCS = ["softmax/softmax.cu", "softmax/softmax_forward.cu", "softmax/softmax_backward.cu"]
+DTYPE_CODE = {FP32: 0, torch.float16: 1, BF16: 2}
+SWEEP_FWD = [((4096, 4096), FP32), ((4096, 4096), BF16), ((8192, 4096), FP32), ((4096, 3000), FP32),
+             ((32768, 4096), BF16), ((32768, 2048), FP32), ((32768, 1024), BF16), ((16384, 2048), BF16),
+             ((4096, 1000), torch.float16), ((8192, 8192), FP32), ((4096, 16384), BF16), ((65536, 256), FP32)]
+SWEEP_BWD = [((32768, 4096), BF16), ((32768, 2048), FP32), ((16384, 3072), BF16), ((4096, 4096), FP32),
+             ((8192, 8192), FP32), ((4096, 32768), BF16), ((32768, 1024), BF16), ((512, 65536), FP32),
+             ((4096, 1000), torch.float16)]
+
+
+def build_sweep(rev: str) -> None:
+    """sweep_base.so from git `rev`'s kernels, sweep_new.so from the working tree's."""
+    out = LIB_PATH.parent
+    base = out / "base_tree"
+    subprocess.run(["rm", "-rf", str(base)], check=True)
+    base.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", rev, "kernels", "opbuilder/include"], cwd=ROOT,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+    shim = Path(__file__).with_name("issue14_sweep.cu")
+    for name, tree in (("base", base), ("new", ROOT)):
+        flags = [f for f in NVCC_FLAGS if f not in ("-Ikernels", "-Iopbuilder/include")]
+        cmd = [NVCC, *flags, f"-I{tree / 'kernels'}", f"-I{tree / 'opbuilder/include'}", str(shim),
+               *(str(tree / "kernels" / src) for src in SWEEP_SRCS), "-o", str(out / f"sweep_{name}.so")]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        (out / f"sweep_{name}.log").write_text(res.stdout + res.stderr)
+        if res.returncode != 0:
+            raise SystemExit(f"nvcc failed for {name}:\n{res.stderr[-4000:]}")
+        log(f"built sweep_{name}.so")
+
+
+class SweepLib:
+    def __init__(self, name: str) -> None:
+        self.lib = ctypes.CDLL(str(LIB_PATH.parent / f"sweep_{name}.so"))
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self.lib.s_plan.argtypes = [vp, vp, i64, i64, ci, ci, ctypes.POINTER(ci)]
+        self.lib.s_plan.restype = i64
+        self.lib.s_fwd.argtypes = [vp, vp, i64, i64, ci, vp, vp]
+        self.lib.s_bwd.argtypes = [vp, vp, vp, i64, i64, ci, vp, vp]
+        self.ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def plan(self, x: torch.Tensor, backward: bool) -> tuple[list[int], int]:
+        arr = (ctypes.c_int * 4)()
+        need = self.lib.s_plan(x.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], DTYPE_CODE[x.dtype], int(backward),
+                               arr)
+        return list(arr), need
+
+    def fwd(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        rc = self.lib.s_fwd(x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], DTYPE_CODE[x.dtype],
+                            self.ws.data_ptr(), Lib.stream())
+        if rc:
+            raise RuntimeError(f"forward returned {rc}")
+
+    def bwd(self, y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> None:
+        rc = self.lib.s_bwd(y.data_ptr(), dy.data_ptr(), dx.data_ptr(), y.shape[0], y.shape[1], DTYPE_CODE[y.dtype],
+                            self.ws.data_ptr(), Lib.stream())
+        if rc:
+            raise RuntimeError(f"backward returned {rc}")
+
+
+def sweep(b: Bench) -> None:
+    libs = {name: SweepLib(name) for name in ("base", "new")}
+    rows_out = []
+    for backward, cases in ((False, SWEEP_FWD), (True, SWEEP_BWD)):
+        for shape, dtype in cases:
+            label = f"softmax {'bwd' if backward else 'fwd'} {shape[0]}x{shape[1]} {str(dtype)[6:]}"
+            elem = torch.finfo(dtype).bits // 8
+            nbytes = (3 if backward else 2) * shape[0] * shape[1] * elem
+            n = b.sets(nbytes)
+            gen = torch.Generator(device="cuda").manual_seed(5)
+            xs = [randn(shape, dtype, gen, 4.0) for _ in range(n)]
+            ys = [torch.softmax(x.float(), -1).to(dtype) for x in xs] if backward else None
+            gs = [randn(shape, dtype, gen) for _ in range(n)] if backward else None
+            impls: dict[str, tuple[Callable, Callable | None]] = {}
+            plans = {}
+            for name, lib in libs.items():
+                plans[name], need = lib.plan(xs[0], backward)
+                if need > lib.ws.numel():
+                    log(f"  {label} {name}: workspace {need} B > 64 MiB, skipped")
+                    continue
+                # fresh inputs, poisoned output, float64 reference
+                cg = torch.Generator(device="cuda").manual_seed(600 + len(RESULTS["checks"]))
+                x = randn((min(shape[0], 45), shape[1]), dtype, cg, 4.0)
+                x[1, : shape[1] // 2] = float("-inf")
+                out = torch.full_like(x, float("nan"))
+                if backward:
+                    y = torch.softmax(x.float(), -1).to(dtype)
+                    dy = randn(x.shape, dtype, cg)
+                    lib.bwd(y, dy, out)
+                    y64, dy64 = y.double(), dy.double()
+                    ref = y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+                else:
+                    lib.fwd(x, out)
+                    ref = softmax_ref(x)
+                torch.cuda.synchronize()
+                if not record_check(f"sweep {label} {name} {plans[name]}", rel_err(out, ref), TOL.get(dtype, 1e-2)):
+                    continue
+                if backward:
+                    impls[name] = (lambda i, lib=lib: lib.bwd(ys[i % n], gs[i % n], torch.empty_like(ys[i % n])),
+                                   None)
+                else:
+                    impls[name] = (lambda i, lib=lib: lib.fwd(xs[i % n], torch.empty_like(xs[i % n])), None)
+            rows = b.time(label, impls, nbytes)
+            t = {r["impl"]: r for r in rows}
+            if "base" in t and "new" in t:
+                rows_out.append((label, plans["base"], t["base"]["us"], plans["new"], t["new"]["us"]))
+            impls.clear()
+            del xs, ys, gs
+            torch.cuda.empty_cache()
+    log("\n== sweep: default plans, base tree against the working tree (us, median)")
+    for label, pb, ub, pn, un in rows_out:
+        log(f"  {label:<34} base {str(pb):<18} {ub:9.2f}   new {str(pn):<18} {un:9.2f}   new/base {un / ub:.3f}")
+    RESULTS["sweep"] = rows_out
+
+
 # ---- main ----------------------------------------------------------------------------------------------
 
 
@@ -542,17 +663,21 @@ def summary() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="only build the variant library (here, with nvcc)")
+    parser.add_argument("--build-sweep", metavar="REV", help="only build the sweep's two libraries (REV: the base)")
     parser.add_argument("--only", default="softmax,step,rmsnorm,matmul,others",
-                        help="comma-separated sections: softmax, step, rmsnorm, matmul, others")
+                        help="comma-separated sections: softmax, step, rmsnorm, matmul, others, sweep")
     args = parser.parse_args()
     if args.build:
         build()
         return
+    if args.build_sweep:
+        build_sweep(args.build_sweep)
+        return
     os.chdir(ROOT)
     only = set(args.only.split(","))
-    lib = Lib()
+    lib = Lib() if only - {"sweep"} else None
     RESULTS["variants"] = [{k: v for k, v in d.items() if k != "dtype"} | {"dtype": str(d["dtype"])}
-                           for d in lib.variants]
+                           for d in (lib.variants if lib else [])]
     b = Bench()
     sections: list[tuple[str, Callable[[], None]]] = [
         ("softmax", lambda: softmax_forward_case(b, lib, 4096, 4096, FP32, flush=True)),
@@ -564,6 +689,7 @@ def main() -> None:
         ("others", lambda: softmax_forward_case(b, lib, 4096, 4096, BF16, flush=False)),
         ("others", lambda: softmax_forward_case(b, lib, 16384, 32768, FP32, flush=False)),
         ("others", lambda: softmax_forward_case(b, lib, 16384, 32768, BF16, flush=False)),
+        ("sweep", lambda: sweep(b)),
     ]
     for name, fn in sections:
         if name not in only:
