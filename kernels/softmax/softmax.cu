@@ -77,13 +77,15 @@ bool vectorizable(int64_t cols, DType dtype, const void* const* ptrs, int n_ptrs
 }
 
 // Measured (benchmarks/tune_softmax.py and benchmarks/tuning/issue14.py on an H100, NOTES.md; the
-// backward first on an H200): rows that fit a block of up to 256 threads hold 4 vectors a thread up to
-// 128 threads, then 8; longer rows 8 with up to 1024 threads; both beat splitting a row across a cluster.
-// More rows in flight on an SM is what the forward gains from: fp32 4096 cols 128x8 49.7 us against
-// 256x4's 50.5 (the two-reduction kernel: 49.2); fp32 32768 cols 1024x8 0.99 of copy (cluster 2x512x8
-// 0.93); bf16 32768 cols 512x8 0.98 (cluster 2x256x8 0.93). The backward wants threads instead: bf16
-// 4096 cols, 32768 rows, 512x1 265 us = 1.00 of copy, 256x2 282, 128x4 319; rows of 257..512 vectors
-// take one vector a thread. Shorter rows keep 2 a thread (not measured against 1).
+// backward first on an H200): rows that fit a block of up to 256 threads hold 4 vectors a thread (backward
+// 2), longer rows 8 (backward 4) with up to 1024 threads; both beat splitting a row across a cluster:
+// fp32 32768 cols 1024x8 0.99 of copy (cluster 2x512x8 0.93); bf16 32768 cols 512x8 0.98 (cluster
+// 2x256x8 0.93). Two exceptions, each where it was measured:
+//  * forward, float32 rows of 513..1024 vectors: 128 threads of 8 (more rows in flight on an SM):
+//    4096 cols 48.4 us against 256x4's 49.6; 3000 cols and 8192 rows of 4096 equal.
+//  * backward, 16-byte rows of 257..512 vectors: one vector a thread (the backward wants threads):
+//    bf16 4096 cols 512x1 265 us = 1.00 of copy against 256x2's 284, bf16 3072 cols 384x1 103 against
+//    120, fp32 2048 cols 266 against 268.
 Plan default_plan(const Problem& p) {
   const int64_t vectors = row_vectors(p);
   const int small_vpt = p.backward ? 2 : 4;
@@ -98,13 +100,11 @@ Plan default_plan(const Problem& p) {
     plan.cluster = 1;
     return plan;
   }
-  if (p.backward) {
-    if (vectors <= 256) return block_shape(vectors, small_vpt);
-    if (vectors <= 512) return block_shape(vectors, 1);  // 288..512 threads, one vector each
-  } else {
-    if (vectors <= 128 * small_vpt) return block_shape(vectors, small_vpt);
-    if (vectors <= 256 * big_vpt) return block_shape(vectors, big_vpt);  // 128..256 threads of 8 vectors
-  }
+  const bool wide = p.vectorized && p.dtype != DType::Float64;
+  if (p.backward && wide && vectors > 256 && vectors <= 512) return block_shape(vectors, 1);
+  if (!p.backward && wide && p.dtype == DType::Float32 && vectors > 512 && vectors <= 1024)
+    return block_shape(vectors, big_vpt);  // 128 threads of 8
+  if (vectors <= 256 * small_vpt) return block_shape(vectors, small_vpt);
   const int64_t block_vectors = int64_t(1024) * big_vpt;
   if (vectors <= block_vectors) return block_shape(vectors, big_vpt);
 
