@@ -2,18 +2,32 @@
 //
 // The builder passes -DOPB_NAMESPACE=opb_<op>_<key>, so two versions of one op can be loaded in one
 // process. TORCH_LIBRARY stringifies its argument, hence the extra expansion step.
+//
+// With -DOPB_STABLE_ABI (a stable-ABI op: the builder passes it with -DTORCH_TARGET_VERSION) the macros
+// register through the LibTorch stable ABI (STABLE_TORCH_LIBRARY; impls are boxed: TORCH_BOX(&fn));
+// otherwise through torch/library.h.
 #pragma once
 
+#ifdef OPB_STABLE_ABI
+#include <torch/csrc/stable/library.h>
+#else
 #include <torch/library.h>
+#endif
 
 #ifndef OPB_NAMESPACE
 #error "OPB_NAMESPACE is not defined: build this file through an opbuilder OpBuilder"
 #endif
 
+#ifdef OPB_STABLE_ABI
+#define OPB_LIBRARY_EXPAND_(ns, m) STABLE_TORCH_LIBRARY(ns, m)
+#define OPB_LIBRARY_IMPL_EXPAND_(ns, k, m) STABLE_TORCH_LIBRARY_IMPL(ns, k, m)
+#else
 #define OPB_LIBRARY_EXPAND_(ns, m) TORCH_LIBRARY(ns, m)
 #define OPB_LIBRARY_IMPL_EXPAND_(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+#endif
 
 // OPB_LIBRARY(m) { m.def("relu(Tensor x) -> Tensor"); }
 #define OPB_LIBRARY(m) OPB_LIBRARY_EXPAND_(OPB_NAMESPACE, m)
-// OPB_LIBRARY_IMPL(CPU, m) { m.impl("relu", &relu_cpu); }
+// OPB_LIBRARY_IMPL(CPU, m) { m.impl("relu", &relu_cpu); }                 classic
+// OPB_LIBRARY_IMPL(CPU, m) { m.impl("relu", TORCH_BOX(&relu_cpu)); }      stable ABI
 #define OPB_LIBRARY_IMPL(k, m) OPB_LIBRARY_IMPL_EXPAND_(OPB_NAMESPACE, k, m)
