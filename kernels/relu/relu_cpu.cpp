@@ -13,6 +13,9 @@
 #include "relu_mask.h"
 
 namespace opb::relu {
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
 namespace {
 
 template <typename T>
@@ -96,8 +99,8 @@ template <typename F>
 void with_type(DType dtype, const F& f) {
   switch (dtype) {
     case DType::Float32: return f(float{});
-    case DType::Float16: return f(torch::headeronly::Half{});
-    case DType::BFloat16: return f(torch::headeronly::BFloat16{});
+    case DType::Float16: return f(Half{});
+    case DType::BFloat16: return f(BFloat16{});
     case DType::Float64: return f(double{});
   }
 }
