@@ -95,7 +95,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_impl(const Tensor& input, const Ten
                    residual_out.mutable_data_ptr(), s.rows, s.hidden, eps, dt);
   } else {
 #ifdef OPB_WITH_CUDA
-    opb::DeviceGuard guard(x);
+    const auto guard = opb::device_guard(x);
     opb::check_launch(k::launch_forward(x.const_data_ptr(), r.const_data_ptr(), w.const_data_ptr(),
                                         out.mutable_data_ptr(), residual_out.mutable_data_ptr(), s.rows, s.hidden,
                                         eps, dt, opb::stream_of(x)),
@@ -116,7 +116,7 @@ Tensor rms_norm_impl(const Tensor& input, const Tensor& weight, double eps) {
                    s.hidden, eps, dt);
   } else {
 #ifdef OPB_WITH_CUDA
-    opb::DeviceGuard guard(x);
+    const auto guard = opb::device_guard(x);
     opb::check_launch(k::launch_forward(x.const_data_ptr(), nullptr, w.const_data_ptr(), out.mutable_data_ptr(),
                                         nullptr, s.rows, s.hidden, eps, dt, opb::stream_of(x)),
                       kRms);
@@ -152,7 +152,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_common(const Tensor& grad_out,
                     grad_h.mutable_data_ptr(), grad_h2_ptr, grad_w.mutable_data_ptr(), s.rows, s.hidden, eps, dt);
   } else {
 #ifdef OPB_WITH_CUDA
-    opb::DeviceGuard guard(h);
+    const auto guard = opb::device_guard(h);
     const int64_t ws_size = k::backward_workspace_size(s.rows, s.hidden, dt);
     Tensor ws = torch::stable::new_empty(
         h, {ws_size}, dt == opb::DType::Float64 ? opb::ScalarType::Double : opb::ScalarType::Float);

@@ -164,7 +164,7 @@ Tensor3 backward_cpu(const Tensor& grad_y, const Tensor& x, const std::optional<
 #ifdef OPB_WITH_CUDA
 Tensor3 forward_cuda(const Tensor& x, const std::optional<Tensor>& weight,
                      const std::optional<Tensor>& bias, double eps) {
-  opb::DeviceGuard guard(x);
+  const auto guard = opb::device_guard(x);
   return forward_impl(x, weight, bias, eps, [](const frln::FwdArgs& args, const Tensor& xc) {
     opb::check_launch(frln::launch_forward(args, opb::stream_of(xc)), kFwd);
   });
@@ -172,7 +172,7 @@ Tensor3 forward_cuda(const Tensor& x, const std::optional<Tensor>& weight,
 
 Tensor3 backward_cuda(const Tensor& grad_y, const Tensor& x, const std::optional<Tensor>& weight,
                       const Tensor& mean, const Tensor& rstd, bool affine_grads) {
-  opb::DeviceGuard guard(x);
+  const auto guard = opb::device_guard(x);
   return backward_impl(grad_y, x, weight, mean, rstd, affine_grads, [](frln::BwdArgs& args, const Tensor& xc) {
     // Per-CTA partial sums of dw and db, from the caching allocator (so CUDA graphs can capture it).
     const int64_t elems = frln::backward_workspace_elems(args);

@@ -80,7 +80,7 @@ Tensor relu_mask_backward_cpu(Tensor grad_y, Tensor mask) {
 #ifdef OPB_WITH_CUDA
 Tensor relu_cuda(Tensor x) {
   Tensor xc = prepare(kOp, x);
-  opb::DeviceGuard guard(xc);
+  const auto guard = opb::device_guard(xc);
   Tensor y = opb::new_output(xc);
   opb::check_launch(relu::launch(xc.const_data_ptr(), y.mutable_data_ptr(), xc.numel(), opb::dtype_of(xc, kOp, "x"),
                                  opb::stream_of(xc)),
@@ -90,7 +90,7 @@ Tensor relu_cuda(Tensor x) {
 
 std::tuple<Tensor, Tensor> relu_mask_cuda(Tensor x) {
   Tensor xc = prepare(kMask, x);
-  opb::DeviceGuard guard(xc);
+  const auto guard = opb::device_guard(xc);
   Tensor y = opb::new_output(xc);
   Tensor mask = new_mask(xc);
   opb::check_launch(relu::launch_mask(xc.const_data_ptr(), y.mutable_data_ptr(), mask.mutable_data_ptr(), xc.numel(),
@@ -101,7 +101,7 @@ std::tuple<Tensor, Tensor> relu_mask_cuda(Tensor x) {
 
 Tensor relu_mask_backward_cuda(Tensor grad_y, Tensor mask) {
   BwdInputs in = prepare_backward(grad_y, mask);
-  opb::DeviceGuard guard(in.dy);
+  const auto guard = opb::device_guard(in.dy);
   Tensor dx = opb::new_output(in.dy);
   opb::check_launch(relu::launch_mask_backward(in.dy.const_data_ptr(), in.mask.const_data_ptr(), dx.mutable_data_ptr(),
                                                in.dy.numel(), opb::dtype_of(in.dy, kBwd, "grad_y"),

@@ -110,7 +110,7 @@ Tensor workspace_for(const Tensor& like, const opb::softmax::Plan& plan, const o
 
 Tensor forward_cuda_plan(const Tensor& x, const std::optional<opb::softmax::Plan>& chosen) {
   Tensor xc = prepare_forward(x);
-  opb::DeviceGuard guard(xc);
+  const auto guard = opb::device_guard(xc);
   Tensor y = opb::new_output(xc);
   const auto p = problem_of(xc, kForward, "x", false, {xc.const_data_ptr(), y.const_data_ptr()});
   if (p.rows == 0 || p.cols == 0) return y;
@@ -126,7 +126,7 @@ Tensor forward_cuda_plan(const Tensor& x, const std::optional<opb::softmax::Plan
 
 Tensor backward_cuda_plan(const Tensor& y, const Tensor& grad_y, const std::optional<opb::softmax::Plan>& chosen) {
   auto [yc, gc] = prepare_backward(y, grad_y);
-  opb::DeviceGuard guard(yc);
+  const auto guard = opb::device_guard(yc);
   Tensor grad_x = opb::new_output(yc);
   const auto p = problem_of(yc, kBackward, "y", true,
                             {yc.const_data_ptr(), gc.const_data_ptr(), grad_x.const_data_ptr()});
@@ -157,7 +157,7 @@ Tensor backward_with_plan(Tensor y, Tensor grad_y, std::vector<int64_t> plan) {
 std::vector<int64_t> default_plan(Tensor x, bool backward) {
   const char* op = "softmax.default_plan";
   opb::dtype_of(x, op, "x");
-  opb::DeviceGuard guard(x);
+  const auto guard = opb::device_guard(x);
   // A contiguous tensor like x, and outputs fresh from the allocator (aligned).
   const void* ptr = x.is_contiguous() ? x.const_data_ptr() : nullptr;
   const auto p = problem_of(x, op, "x", backward, {ptr});

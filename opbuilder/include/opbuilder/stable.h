@@ -18,6 +18,11 @@
 #include <sys/mman.h>
 #endif
 
+// Including this header makes the file a stable-ABI binding: <opbuilder/library.h> registers through
+// STABLE_TORCH_LIBRARY even where the builder's -DOPB_STABLE_ABI is missing (a hand-made compile).
+#ifndef OPB_STABLE_ABI
+#define OPB_STABLE_ABI
+#endif
 #include <opbuilder/dtype.h>
 #include <opbuilder/library.h>
 
@@ -111,11 +116,11 @@ inline void check_launch(cudaError_t err, const char* op) {
   STD_TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
-// Makes `t`'s device current for the scope (torch's allocator and our launches both follow it).
-struct DeviceGuard {
-  explicit DeviceGuard(const Tensor& t) : guard(t.get_device_index()) {}
-  torch::stable::accelerator::DeviceGuard guard;
-};
+// Makes `t`'s device current while the returned guard lives (torch's allocator and our launches both
+// follow it): `const auto guard = opb::device_guard(x);`.
+inline torch::stable::accelerator::DeviceGuard device_guard(const Tensor& t) {
+  return torch::stable::accelerator::DeviceGuard(t.get_device_index());
+}
 #endif
 
 }  // namespace opb
