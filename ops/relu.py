@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float
+from opbuilder import sharding
 from opbuilder.lazy import LazyOps
 
 
@@ -66,6 +67,24 @@ def _register(ns: str) -> None:
 
     torch.library.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
                                     setup_context=setup_mask_backward)
+
+    # DTensor: relu keeps any layout. The mask packs the bits of each rank's own piece of x in memory
+    # order, so it is a valid split of nothing but itself: it is kept only beside a y split on dim 0
+    # (or replicated), and its backward takes a grad_y laid out as that y was.
+    def mask_rule(x):
+        from torch.distributed.tensor import Replicate, Shard  # called only once DTensor is imported
+
+        return [([Replicate(), Replicate()], [Replicate()])] + ([([Shard(0)] * 2, [Shard(0)])] if x.ndim else [])
+
+    def mask_backward_rule(grad_y, mask):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        return [([Replicate()], [Replicate()] * 2), ([Shard(0)], [Shard(0)] * 2), ([Partial()], [Partial(), Replicate()])]
+
+    lib = getattr(torch.ops, ns)
+    sharding.elementwise(lib.relu.default)
+    sharding.custom(lib.relu_mask.default, mask_rule)
+    sharding.custom(lib.relu_mask_backward.default, mask_backward_rule)
 
 
 _ops = LazyOps("relu", _register)
