@@ -67,9 +67,20 @@ def custom(op: torch._ops.OpOverload, rule: Rule) -> None:
 
 
 def _register_now(op: torch._ops.OpOverload, rule: Rule) -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
     from torch.distributed.tensor.experimental import register_sharding
 
     register_sharding(op)(rule)
+    # DTensor caches an op's result layouts and global shapes by its inputs' specs and by the arguments
+    # from ``static_argnum`` on. register_sharding counts only int arguments, so a bool or float that
+    # changes an output's shape (fused_relu_layernorm_backward's affine_grads) would get another call's
+    # cached shape: every argument from the first non-tensor one on is made part of the key.
+    tensors = set(_tensor_arg_names(op))
+    first = next((i for i, a in enumerate(op._schema.arguments) if a.name not in tensors), 100)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    static = [a.name for a in op._schema.arguments if a.kwarg_only and a.name not in tensors]
+    propagator.op_to_schema_info[op] = RuntimeSchemaInfo(first, static or None, needs_pytree=True)
 
 
 def _flush() -> None:
@@ -147,6 +158,16 @@ def _tensor_arg_names(op: torch._ops.OpOverload) -> list[str]:
     return names
 
 
+def _check_names(helper: str, op: torch._ops.OpOverload, what: str, names: Sequence[str]) -> None:
+    if isinstance(names, str):
+        raise TypeError(f"sharding.{helper}: {what} must be a list of argument names, got the string {names!r}")
+    known = _tensor_arg_names(op)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"sharding.{helper}: {what} must name tensor arguments of {op._schema.name} "
+                         f"({', '.join(known)}), got {unknown}")
+
+
 def _is_tensor(value: Any) -> bool:
     return hasattr(value, "placements") and hasattr(value, "ndim")
 
@@ -169,6 +190,7 @@ def elementwise(op: torch._ops.OpOverload, linear: Sequence[str] = ()) -> None:
     linear: names of the inputs the op is jointly linear in (e.g. a gradient), which may then be Partial
     while the others are replicated. Default: none (Partial inputs are reduced first).
     """
+    _check_names("elementwise", op, "linear", linear)
     n_out = len(op._schema.returns)
 
     def rule(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
@@ -205,7 +227,13 @@ def rowwise(
     Every other tensor (input or output) is a row tensor ``[..., hidden]`` or per-row ``[...]`` (a norm's
     statistics): split on one dim d < ndim - 1 alike, or replicated.
     """
+    _check_names("rowwise", op, "params", params)
+    _check_names("rowwise", op, "linear", linear)
     n_out = len(op._schema.returns)
+    bad = [i for i in reduced if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_out]
+    if bad:
+        raise ValueError(f"sharding.rowwise: reduced must hold output indices in [0, {n_out - 1}] for "
+                         f"{op._schema.name}, got {bad}")
 
     def rule(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
         from torch.distributed.tensor import Partial, Replicate, Shard
@@ -234,6 +262,10 @@ def matmul(op: torch._ops.OpOverload, linear: bool = False) -> None:
     linear: whether ``out`` is linear in ``lhs @ rhs`` and the bias (no epilogue such as a ReLU): then K
     may be split too, and the output is Partial (the bias too, so that it is added once).
     """
+
+    if len(_tensor_arg_names(op)) < 2 or len(op._schema.returns) != 1:
+        raise ValueError(f"sharding.matmul: {op._schema.name} must take lhs and rhs tensors and return one "
+                         f"tensor, got the schema {op._schema}")
 
     def rule(*args: Any, **kwargs: Any) -> list[tuple[list[Any], list[Any]]]:
         from torch.distributed.tensor import Partial, Replicate, Shard

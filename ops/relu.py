@@ -68,18 +68,22 @@ def _register(ns: str) -> None:
     torch.library.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
                                     setup_context=setup_mask_backward)
 
-    # DTensor: relu keeps any layout. The mask packs the bits of each rank's own piece of x in memory
-    # order, so it is a valid split of nothing but itself: it is kept only beside a y split on dim 0
-    # (or replicated), and its backward takes a grad_y laid out as that y was.
+    # DTensor: relu keeps any layout. relu_mask's mask packs the sign bits of each rank's own piece of x:
+    # not a piece of the whole x's mask, and silent on how x was split. So it is made only beside a y
+    # split on dim 0 (an x split on another dim is moved to dim 0 first) or a whole y, and its backward
+    # takes a grad_y laid out like that y.
     def mask_rule(x):
         from torch.distributed.tensor import Replicate, Shard  # called only once DTensor is imported
 
-        return [([Replicate(), Replicate()], [Replicate()])] + ([([Shard(0)] * 2, [Shard(0)])] if x.ndim else [])
+        split = [([Shard(0), Shard(0)], [Shard(0)])] if x.ndim else []
+        return [([Replicate(), Replicate()], [Replicate()])] + split
 
     def mask_backward_rule(grad_y, mask):
         from torch.distributed.tensor import Partial, Replicate, Shard
 
-        return [([Replicate()], [Replicate()] * 2), ([Shard(0)], [Shard(0)] * 2), ([Partial()], [Partial(), Replicate()])]
+        # (grad_x, [grad_y, mask]); linear in grad_y, so a Partial grad_y may pass with a whole mask.
+        return [([Replicate()], [Replicate(), Replicate()]), ([Shard(0)], [Shard(0), Shard(0)]),
+                ([Partial()], [Partial(), Replicate()])]
 
     lib = getattr(torch.ops, ns)
     sharding.elementwise(lib.relu.default)

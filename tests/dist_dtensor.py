@@ -4,9 +4,9 @@
    backward, equal to the same function on the full tensors; the backward ops called on Partial
    gradients, equal to the op on their sum.
 2. A two-block model from opbuilder's layers under sequence parallelism (norms on sequence-sharded
-   activations) and under FSDP2 (``fully_shard``), one step each: the loss and the gradients equal
-   those of the same model built from PyTorch layers under the same plan, and those of the plain model
-   on one process.
+   activations), under FSDP2 (``fully_shard``) and, on 4 ranks, under both (a 2 x 2 mesh), one step
+   each: the loss and the gradients equal those of the same model built from PyTorch layers under the
+   same plan, and those of the plain model on one process.
 
 Every rank writes ``rank<N>.json`` with the number of checks and the failures (a check that raised
 is a failure too); the test reads them.
@@ -62,6 +62,8 @@ def full(t):
 
 
 def close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.shape != want.shape:  # a DTensor's global shape, which its local pieces need not show
+        raise AssertionError(f"{what}: shape {list(got.shape)}, expected {list(want.shape)}")
     got = full(got)
     if got.shape != want.shape or not torch.allclose(got, want, **TOL):
         diff = (got - want).abs().max().item() if got.shape == want.shape else "shape"
@@ -133,8 +135,10 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
     for pl, pr, pb in ((S(0), R, R), (R, S(1), S(0)), (R, R, R), (S(1), S(0), R)):
         checks.run(f"{tag} matmul {pl} {pr} bias {pb}",
                    lambda: same_as_full(mesh, mm, [lhs, rhs, bias_n], [[pl], [pr], [pb]]))
-    checks.run(f"{tag} matmul bias [M, N] S0", lambda: same_as_full(mesh, mm, [lhs, rhs, bias_mn], [[S(0)], [R], [S(0)]]))
-    checks.run(f"{tag} matmul no bias S0", lambda: same_as_full(mesh, mm, [lhs, rhs, None], [[S(0)], [R], None]))
+    checks.run(f"{tag} matmul bias [M, N] S0",
+               lambda: same_as_full(mesh, mm, [lhs, rhs, bias_mn], [[S(0)], [R], [S(0)]]))
+    checks.run(f"{tag} matmul no bias S0",
+               lambda: same_as_full(mesh, mm, [lhs, rhs, None], [[S(0)], [R], None]))
     blhs, brhs, bbias = torch.randn(5, 3, 4, dtype=DTYPE), torch.randn(5, 4, 6, dtype=DTYPE), torch.randn(3, 6, dtype=DTYPE)
     for pl, pr in ((S(0), S(0)), (S(1), R), (R, S(2)), (S(2), S(1))):
         checks.run(f"{tag} bmm {pl} {pr}", lambda: same_as_full(mesh, mm, [blhs, brhs, bbias], [[pl], [pr], [R]]))
@@ -172,8 +176,22 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
         close("relu mask backward", relu_mask_backward_op()(partial_of(mesh, g), dt(mask)),
               relu_mask_backward_op()(g, mask))
 
+    # affine_grads (a bool) changes the shapes of grad_weight and grad_bias: DTensor must not reuse the
+    # shapes it cached for the other value.
+    def layernorm_backward_both_ways() -> None:
+        g = torch.randn_like(x)
+        _, mean, rstd = fused_relu_layernorm_op()(x, w, b, 1e-5)
+        for affine in (True, False, True):
+            want = fused_relu_layernorm_backward_op()(g, x, w, mean, rstd, affine)
+            got = fused_relu_layernorm_backward_op()(
+                *[distribute_tensor(t, mesh, [S(0)]) for t in (g, x)], distribute_tensor(w, mesh, [R]),
+                *[distribute_tensor(t, mesh, [S(0)]) for t in (mean, rstd)], affine)
+            for i, (a, c) in enumerate(zip(got, want)):
+                close(f"affine_grads={affine} output {i}", a, c)
+
     if mesh.ndim == 1:
         checks.run(f"{tag} backward ops on Partial gradients", partial_backwards)
+        checks.run(f"{tag} layernorm backward, affine_grads True/False", layernorm_backward_both_ways)
 
 
 def mesh2d_checks(checks: Checks, mesh) -> None:
@@ -325,6 +343,28 @@ def fsdp_step(mesh) -> None:
     grads_match(fused, plain, reference)
 
 
+def fsdp_sp_step() -> None:
+    """FSDP2 over dp = 2 and sequence parallelism over tp = 2 (4 ranks): each dp group its own batch."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    fused, plain, reference = twins(Model, dim=8, hidden=16)
+    gen = torch.Generator().manual_seed(11)
+    data = [(torch.randn(2, 8, 8, generator=gen, dtype=DTYPE), torch.randn(2, 8, 8, generator=gen, dtype=DTYPE))
+            for _ in range(2)]
+    x, target = data[mesh["dp"].get_local_rank()]
+    losses = []
+    for model in (fused, plain):
+        sequence_parallel(model, mesh["tp"])
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        loss = F.mse_loss(model(distribute_tensor(x, mesh["tp"], [Shard(1)])), target)
+        loss.backward()
+        losses.append(loss.detach())
+    close("FSDP2 x SP loss (opbuilder vs PyTorch)", losses[0], losses[1])
+    sum(F.mse_loss(reference(a), b) for a, b in data).div(2).backward()
+    grads_match(fused, plain, reference)
+
+
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -336,6 +376,8 @@ def main(out_dir: str) -> None:
         mesh2d_checks(checks, init_device_mesh("cpu", (2, 2)))
     checks.run("sequence parallel step", lambda: sp_step(mesh))
     checks.run("FSDP2 step", lambda: fsdp_step(mesh))
+    if world == 4:
+        checks.run("FSDP2 x sequence parallel step (2-D mesh)", fsdp_sp_step)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump({"rank": rank, "checks": checks.count, "failures": checks.failures}, fh)
     dist.barrier()

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 # Checks tests/dist_dtensor.py runs on each rank: a launch that runs fewer has lost some.
-EXPECTED_CHECKS = {2: 44, 4: 57}
+EXPECTED_CHECKS = {2: 45, 4: 59}
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -66,3 +66,24 @@ def test_rules_kept_until_dtensor_is_imported() -> None:
     result = run_python(LATE_IMPORT, env={"PORT": str(port)})
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_helpers_name_what_is_wrong() -> None:
+    """A misspelt argument name would silently make a weight a row tensor: it is an error instead."""
+    import torch
+
+    from opbuilder import sharding
+
+    mul = torch.ops.aten.mul.Tensor
+    with pytest.raises(ValueError, match=r"params must name tensor arguments of aten::mul \(self, other\), got"):
+        sharding.rowwise(mul, params=["wieght"])
+    with pytest.raises(TypeError, match="list of argument names"):
+        sharding.rowwise(mul, params="other")
+    with pytest.raises(ValueError, match=r"reduced must hold output indices in \[0, 0\]"):
+        sharding.rowwise(mul, reduced=[1])
+    with pytest.raises(ValueError, match="linear must name"):
+        sharding.elementwise(mul, linear=["grad"])
+    with pytest.raises(ValueError, match="sharding.matmul: aten::relu must take lhs and rhs"):
+        sharding.matmul(torch.ops.aten.relu.default)
+    with pytest.raises(TypeError, match="op must be an OpOverload"):
+        sharding.custom(torch.ops.aten.mul, lambda *a: [])
