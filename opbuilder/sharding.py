@@ -47,7 +47,7 @@ _DTENSOR = "torch.distributed.tensor"
 _PENDING: list[tuple[torch._ops.OpOverload, Rule]] = []
 _LOCK = threading.Lock()
 
-__all__ = ["custom", "elementwise", "matmul", "rowwise"]
+__all__ = ["custom", "elementwise", "is_dtensor", "matmul", "rowwise"]
 
 
 # ---- registration -------------------------------------------------------------------------------------
@@ -137,6 +137,14 @@ def _watch_import() -> None:
 def _unwatch() -> None:
     if _HOOK in sys.meta_path:
         sys.meta_path.remove(_HOOK)
+
+
+def is_dtensor(x: object) -> bool:
+    """Whether ``x`` is a DTensor, without importing DTensor (where it is not imported, nothing is one)."""
+    if type(x) is torch.Tensor:  # the common case, in a few tens of nanoseconds
+        return False
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(x, module.DTensor)
 
 
 # ---- rules --------------------------------------------------------------------------------------------

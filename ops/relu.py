@@ -112,7 +112,8 @@ def relu_mask_backward_op() -> torch._ops.OpOverload:
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
     check_float("relu", "x", x)
-    if x.requires_grad and torch.is_grad_enabled():
+    # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
+    if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]
     return relu_op()(x)
 

@@ -116,6 +116,8 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
     for p in (S(0), S(1), S(2), R):
         checks.run(f"{tag} relu {p}", lambda: same_as_full(mesh, ops.relu, [x], [[p]]))
         checks.run(f"{tag} relu no grad {p}", lambda: same_as_full(mesh, ops.relu, [x], [[p]], grad=False))
+        # ops.relu takes relu's plain backward for DTensors; the mask op called itself has its rule too.
+        checks.run(f"{tag} relu_mask op {p}", lambda: same_as_full(mesh, lambda t: relu_mask_op()(t)[0], [x], [[p]]))
         checks.run(f"{tag} softmax {p}", lambda: same_as_full(mesh, ops.softmax, [x], [[p]]))
         checks.run(f"{tag} softmax dim=1 {p}", lambda: same_as_full(mesh, lambda t: ops.softmax(t, 1), [x], [[p]]))
         checks.run(f"{tag} rms_norm {p}", lambda: same_as_full(mesh, ops.rms_norm, [x, w], [[p], [R]]))

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 # Checks tests/dist_dtensor.py runs on each rank: a launch that runs fewer has lost some.
-EXPECTED_CHECKS = {2: 45, 4: 59}
+EXPECTED_CHECKS = {2: 49, 4: 63}
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
