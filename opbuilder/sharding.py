@@ -27,6 +27,7 @@ Helpers, for an op's ``_register(ns)`` (``op`` is an ``OpOverload``, e.g. ``torc
 Importing ``torch.distributed.tensor`` costs about half a second, which users who never shard should not
 pay. So nothing here imports it: a rule is registered at once when that module is already imported, and
 otherwise kept until it is (a one-shot import hook registers the kept rules right after its import).
+``is_dtensor(x)`` tells a DTensor without importing it either.
 """
 
 from __future__ import annotations
@@ -78,9 +79,12 @@ def _register_now(op: torch._ops.OpOverload, rule: Rule) -> None:
     # cached shape: every argument from the first non-tensor one on is made part of the key.
     tensors = set(_tensor_arg_names(op))
     first = next((i for i, a in enumerate(op._schema.arguments) if a.name not in tensors), 100)
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    static = [a.name for a in op._schema.arguments if a.kwarg_only and a.name not in tensors]
-    propagator.op_to_schema_info[op] = RuntimeSchemaInfo(first, static or None, needs_pytree=True)
+    # (A private table of torch 2.13's propagator: where a later torch lacks it, register_sharding's own
+    # choice stands.)
+    infos = getattr(DTensor._op_dispatcher.sharding_propagator, "op_to_schema_info", None)
+    if isinstance(infos, dict):
+        static = [a.name for a in op._schema.arguments if a.kwarg_only and a.name not in tensors]
+        infos[op] = RuntimeSchemaInfo(first, static or None, needs_pytree=True)
 
 
 def _flush() -> None:
