@@ -259,7 +259,7 @@ def _reason(spec: BuildSpec, slot: cache.Slot) -> str:
 
 
 _DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded|File too large|File size limit exceeded")
-_ERROR_LINE = re.compile(r"(error|Error:|undefined reference|FAILED:)")
+_ERROR_LINE = re.compile(r"(error|Error:|fatal|undefined reference|FAILED:)")
 
 
 def _failure_message(spec: BuildSpec, log_text: str) -> str:

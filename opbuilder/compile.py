@@ -271,10 +271,13 @@ def write_ninja(spec, work: Path) -> Path:
     sources = [str(snapshot_path(work, s)) for s in spec.sources] + [str(gen / _NAMESPACE_TU)]
     includes = [str(snapshot_path(work, p)) for p in spec.include_paths]
     # Headers no include path predicts are still found where they are (and then keyed: _discover).
-    fallback = [f"-idirafter{d}" for d in dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)])]
+    originals = list(dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)]))
+    fallback = [f"-idirafter{d}" for d in originals]
+    # nvcc has no -idirafter; its -I here come after the snapshot's (cpp_extension puts those first).
+    cuda_fallback = [f"-I{d}" for d in originals]
     cxx = toolchain.cxx_path()
     nvcc = toolchain.nvcc_path() if spec.with_cuda else None
-    made_from = json.dumps([spec.name, sources, includes, fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
+    made_from = json.dumps([spec.name, sources, includes, fallback, cuda_fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
                             spec.with_cuda, cxx, nvcc, torch.__version__, torch.__file__,
                             {k: os.environ.get(k) for k in _CPP_EXTENSION_ENV}], sort_keys=True)
     memo = work / "build.ninja.from"
@@ -295,7 +298,7 @@ def write_ninja(spec, work: Path) -> Path:
     draft = work / "build.ninja.draft"
     cpp._write_ninja_file_to_build_library(
         path=str(draft), name=spec.name, sources=sources, extra_cflags=[*spec.cxx_args, *fallback],
-        extra_cuda_cflags=[*spec.nvcc_args, *fallback], extra_sycl_cflags=[], extra_ldflags=ldflags,
+        extra_cuda_cflags=[*spec.nvcc_args, *cuda_fallback], extra_sycl_cflags=[], extra_ldflags=ldflags,
         extra_include_paths=includes, with_cuda=spec.with_cuda, with_sycl=False, is_standalone=False,
     )
     text = draft.read_text()
