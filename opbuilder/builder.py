@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +32,11 @@ KERNELS_DIR = next((p for p in (PACKAGE_DIR / "kernels", PACKAGE_DIR.parent / "k
 PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 
 CUDA_SUFFIXES = (".cu",)
+
+#: Flags of a binding on the LibTorch stable ABI: opbuilder's macros take the stable branch, and the
+#: torch headers offer only what torch 2.10 has, so one binary loads in torch 2.10 and later.
+STABLE_ABI_FLAGS = ["-DOPB_STABLE_ABI", "-DTORCH_TARGET_VERSION=0x020a000000000000"]
+_STABLE_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*[<"](opbuilder/stable\.h|torch/csrc/stable/)', re.MULTILINE)
 
 
 class OpBuilder:
@@ -164,12 +170,25 @@ class OpBuilder:
         extra = declared[len(base):] if declared[: len(base)] == base else declared
         return base + extra
 
+    def uses_stable_abi(self) -> bool:
+        """True when a source or project header (not opbuilder's own) includes ``<opbuilder/stable.h>``
+        or a ``torch/csrc/stable/`` header."""
+        return self._uses_stable_abi
+
+    @cached_property
+    def _uses_stable_abi(self) -> bool:
+        files = fingerprint.project_files(self.all_sources(), self._include_dirs())
+        own = [p for p in files if not p.is_relative_to(INCLUDE_DIR)]
+        return any(_STABLE_INCLUDE.search(p.read_bytes()) for p in own if p.is_file())
+
     def final_cxx_args(self) -> list[str]:
         args = self._composed(OpBuilder.cxx_args(self), self.cxx_args())
+        args = args + (STABLE_ABI_FLAGS if self.uses_stable_abi() else [])
         return args + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
 
     def final_nvcc_args(self) -> list[str]:
-        return self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
+        args = self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
+        return args + (STABLE_ABI_FLAGS if self.uses_stable_abi() else [])
 
     def final_ldflags(self) -> list[str]:
         return self._composed(OpBuilder.extra_ldflags(self), self.extra_ldflags())
