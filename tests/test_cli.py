@@ -152,10 +152,10 @@ def _fake_stale_build(current: Path, op: str, key: str, **changes: object) -> Pa
 
 def test_clean_stale_leaves_current_builds(cache_root: Path) -> None:
     current = Path(_row(_report(cache_root))["cache_path"])
-    old_torch = _fake_stale_build(current, "relu", "0" * 20, torch="2.0.0")
+    old_torch = _fake_stale_build(current, "relu", "0" * 20, abi="classic", torch="2.0.0")
     other_archs = _fake_stale_build(current, "relu", "1" * 20, cuda_archs=["8.0"])  # can be asked for again
     user_stale = _fake_stale_build(current, "my_user_op", "2" * 20, python="cpython-30")
-    busy = _fake_stale_build(current, "relu", "3" * 20, torch="2.0.0")
+    busy = _fake_stale_build(current, "relu", "3" * 20, abi="classic", torch="2.0.0")
     with FileLock(str(cache_root / "relu" / f"{'3' * 20}.lock")):
         proc = _cli(cache_root, "clean", "--stale")
     assert proc.returncode == 0, proc.stderr
