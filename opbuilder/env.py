@@ -22,6 +22,7 @@ VARIABLES: dict[str, str] = {
     "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
     "CUDA_HOME": "CUDA toolkit root (else CUDA_PATH, else the folder of nvcc on PATH, else /usr/local/cuda).",
     "CXX": "Host C++ compiler (default c++), as torch.utils.cpp_extension uses it.",
+    "LD_LIBRARY_PATH": "Read (never set) to find the OpenMP runtime torch's library links, as the dynamic loader does.",
 }
 
 
@@ -89,6 +90,10 @@ def cuda_home_hint() -> str | None:
 
 def path_dirs() -> list[str]:
     return (os.environ.get("PATH") or "").split(os.pathsep)
+
+
+def ld_library_path() -> list[str]:
+    return [d for d in (os.environ.get("LD_LIBRARY_PATH") or "").split(os.pathsep) if d]
 
 
 def trust_shared_cache() -> bool:

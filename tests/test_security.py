@@ -120,3 +120,42 @@ def test_folder_swapped_after_the_check_is_not_loaded(built: tuple[Path, Path], 
     line = next(ln for ln in result.stdout.splitlines() if ln.startswith("INODES"))
     assert line.endswith("True"), "the folder was never swapped: the test did not test anything"
     assert str(checked) in line and str(swapped_in) not in line, (line, checked, swapped_in)
+
+
+# ---- 4. the OpenMP runtime is torch's, whatever else the process loaded ---------------------------
+
+FLAGS_AND_KEY = """
+import ctypes, json, sys
+{before}
+import torch
+{after}
+from opbuilder import registry, toolchain
+print("FLAGS", json.dumps({{"flags": toolchain.openmp_flags(), "key": registry.get_builder("relu").key}}))
+"""
+
+
+def _flags_and_key(before: str = "", after: str = "") -> dict:
+    result = run_python(FLAGS_AND_KEY.format(before=before, after=after))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(next(ln for ln in result.stdout.splitlines() if ln.startswith("FLAGS "))[len("FLAGS "):])
+
+
+def test_openmp_runtime_does_not_depend_on_what_was_loaded_first(tmp_path: Path) -> None:
+    import torch
+
+    from opbuilder import elf, toolchain
+
+    clean = _flags_and_key()
+    if not clean["flags"][0]:
+        pytest.skip(f"no OpenMP here (torch: {torch.backends.openmp.is_available()}, compiler: {toolchain.cxx_path()})")
+    runtime = Path(clean["flags"][1][0])
+    torch_cpu = Path(torch.__file__).resolve().parent / "lib" / "libtorch_cpu.so"
+    if torch_cpu.is_file():
+        assert runtime.name in elf.dynamic_entries(torch_cpu)["needed"], "not the runtime torch links"
+    # Another wheel's bundled copy of the runtime (as scikit-learn ships one), loaded before or after torch.
+    bundled = tmp_path / "other.libs" / "libgomp-d22c30c5.so.1.0.0"
+    bundled.parent.mkdir()
+    shutil.copy2(runtime, bundled)
+    load = f"ctypes.CDLL({str(bundled)!r})"
+    assert _flags_and_key(before=load) == clean
+    assert _flags_and_key(after=load) == clean
