@@ -183,12 +183,19 @@ def _lookup_chain(path: Path) -> list[tuple[str, os.stat_result]]:
     return chain
 
 
-def check_chain(path: Path) -> None:
-    """Raise CacheError unless nobody but this user (or root) could have put ``path`` there: the
-    path itself and every folder on the way to it, through symbolic links, pass ``trust_problem``.
+def chain_problem(path: Path) -> str | None:
+    """Why someone other than this user (or root) could have put ``path`` there: the path itself or a
+    folder on the way to it, through symbolic links, fails ``trust_problem``; None when none does.
+    Parts of ``path`` that do not exist yet are not checked (there is nothing to load from them)."""
+    for entry, st in _lookup_chain(path):
+        problem = trust_problem(st)
+        if problem is not None:
+            return f"{entry} {problem}"
+    return None
 
-    Parts of ``path`` that do not exist yet are not checked (there is nothing to load from them).
-    """
+
+def check_chain(path: Path) -> None:
+    """Raise CacheError when ``chain_problem(path)`` finds one."""
     for entry, st in _lookup_chain(path):
         problem = trust_problem(st)
         if problem is not None:

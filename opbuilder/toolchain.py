@@ -19,9 +19,27 @@ from opbuilder import env
 from opbuilder.errors import CacheError
 
 
+#: Compiler launchers installed as a folder of links named after compilers (``/usr/lib/ccache/c++``).
+_LAUNCHERS = ("ccache",)
+
+
 def which(program: str) -> str | None:
-    found = shutil.which(program, path=os.pathsep.join(env.path_dirs()))
-    return os.path.realpath(found) if found else None
+    """The real path of ``program`` as found on PATH. A compiler found through a ccache link folder is
+    the compiler ccache runs (the next one of that name on PATH that is not ccache): that compiler is
+    what is probed and keyed; ccache itself answers neither ``--version`` nor ``-fopenmp`` as one."""
+    dirs = env.path_dirs()
+    found = shutil.which(program, path=os.pathsep.join(dirs))
+    if not found:
+        return None
+    real = os.path.realpath(found)
+    name = os.path.basename(found)
+    if os.path.basename(real) not in _LAUNCHERS or name in _LAUNCHERS:
+        return real
+    for folder in dirs:
+        candidate = shutil.which(name, path=folder)
+        if candidate and os.path.basename(os.path.realpath(candidate)) not in _LAUNCHERS:
+            return os.path.realpath(candidate)
+    return None  # ccache would find no compiler either
 
 
 @functools.lru_cache(maxsize=None)

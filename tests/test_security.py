@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -159,3 +160,120 @@ def test_openmp_runtime_does_not_depend_on_what_was_loaded_first(tmp_path: Path)
     load = f"ctypes.CDLL({str(bundled)!r})"
     assert _flags_and_key(before=load) == clean
     assert _flags_and_key(after=load) == clean
+
+
+# ---- 9. the smaller ones --------------------------------------------------------------------------
+
+
+def _can_mount() -> bool:
+    if os.getuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs none /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_mounts = pytest.mark.skipif(not _can_mount(), reason="needs root and unshare(1) allowed to mount (a private "
+                                  "mount namespace makes the read-only or full filesystem)")
+
+
+def _in_mount_namespace(setup: str, code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python after the shell commands ``setup``, in a mount namespace of its own."""
+    script = f"{setup} && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=600)
+
+
+@pytest.mark.parametrize("damage", ["artifact is a folder", "sizes are strings", "namespace missing"])
+def test_manifest_with_wrong_types_is_rebuilt(damage: str, built: tuple[Path, Path], tmp_path: Path) -> None:
+    op, cache = built
+    root = _copy_cache(cache, tmp_path / "cache")
+    build_dir, manifest = _manifest(root)
+    if damage == "artifact is a folder":
+        (build_dir / "sub").mkdir()
+        manifest.update(artifact="sub", artifact_size=(build_dir / "sub").stat().st_size)
+    elif damage == "sizes are strings":
+        manifest.update(artifact_size=str(manifest["artifact_size"]), artifact_mtime_ns=str(manifest["artifact_mtime_ns"]))
+    else:
+        del manifest["namespace"]
+    (build_dir / "manifest.json").write_text(json.dumps(manifest))
+    result = _load(op, OPB_CACHE_DIR=str(root))
+    assert result.returncode == 0 and OK in result.stdout, result.stderr[-2000:]
+    assert _builds(result) == 1
+
+
+FAKE_CCACHE = """#!/bin/sh
+# A stand-in for ccache: called as "ccache", its first argument is the compiler (an option is an error);
+# called through a link named after a compiler, it runs the next one of that name on PATH.
+name=$(basename "$0")
+if [ "$name" = ccache ]; then
+  case "$1" in
+    --version) echo "ccache version 4.8.3"; exit 0 ;;
+    -*) echo "ccache: invalid option -- '$1'" >&2; exit 1 ;;
+  esac
+  exec "$@"
+fi
+PATH=$(printf %s "$PATH" | sed "s|$(dirname "$0"):||") exec "$name" "$@"
+"""
+
+CXX_AND_OPENMP = """
+import json
+from opbuilder import toolchain
+print("CXX", json.dumps({"cxx": toolchain.cxx_path(), "openmp": toolchain.openmp_flags()}))
+"""
+
+
+def _cxx_and_openmp(**env: str) -> dict:
+    result = run_python(CXX_AND_OPENMP, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(next(ln for ln in result.stdout.splitlines() if ln.startswith("CXX "))[len("CXX "):])
+
+
+def test_compiler_behind_a_ccache_link_folder_is_the_real_one(tmp_path: Path) -> None:
+    clean = _cxx_and_openmp(OPB_CACHE_DIR=str(tmp_path / "cache-clean"))
+    if clean["cxx"] is None:
+        pytest.skip("no C++ compiler on PATH")
+    launcher = tmp_path / "bin" / "ccache"
+    launcher.parent.mkdir()
+    launcher.write_text(FAKE_CCACHE)
+    launcher.chmod(0o755)
+    links = tmp_path / "ccache-links"  # as /usr/lib/ccache: links named after compilers
+    links.mkdir()
+    for name in ("c++", "g++", "cc", "gcc"):
+        (links / name).symlink_to(launcher)
+    path = f"{links}{os.pathsep}{os.environ['PATH']}"
+    through = _cxx_and_openmp(PATH=path, OPB_CACHE_DIR=str(tmp_path / "cache-ccache"))
+    assert through == clean
+
+
+@needs_mounts
+def test_full_disk_in_cache_writes_is_a_cache_error(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    code = (
+        "from pathlib import Path\nfrom opbuilder import cache\nfrom opbuilder.errors import CacheError\n"
+        f"root = Path({str(root)!r})\n"
+        "for write in (lambda: cache.write_text_atomic(root / 'op' / 'k.failed.json', 'x' * 100000),\n"
+        "              lambda: cache.record_failure(cache.Slot('op', 'k'), 'failed', 'log ' * 100000)):\n"
+        "    try:\n        write()\n    except CacheError as exc:\n        print('CACHEERROR', exc)\n"
+    )
+    # A 64 KiB filesystem, filled up before opbuilder writes.
+    setup = (f"mount -t tmpfs -o size=64k none {shlex.quote(str(root))} && "
+             f"(dd if=/dev/zero of={shlex.quote(str(root / 'filler'))} bs=4k 2>/dev/null || true)")
+    result = _in_mount_namespace(setup, code, OPB_CACHE_DIR=str(root))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("CACHEERROR")]
+    assert len(lines) == 2, result.stdout
+    assert all("ran out of space" in ln and "No space left on device" in ln and "OPB_CACHE_DIR" in ln for ln in lines), lines
+
+
+@needs_mounts
+def test_read_only_cache_is_named_read_only(built: tuple[Path, Path], tmp_path: Path) -> None:
+    op = shutil.copytree(built[0], tmp_path / "proj")
+    root = _copy_cache(built[1], tmp_path / "cache")
+    (op / "csrc" / "scale.h").write_text("#pragma once\nconstexpr float kScale = 3.0;\n")  # a new key: a build is needed
+    quoted = shlex.quote(str(root))
+    result = _in_mount_namespace(f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}",
+                                 load_snippet(op), OPB_CACHE_DIR=str(root))
+    assert result.returncode != 0, result.stdout
+    assert "CacheError" in result.stderr and "Read-only file system" in result.stderr, result.stderr[-2000:]
+    assert "Permission denied" not in result.stderr
