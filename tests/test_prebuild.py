@@ -217,3 +217,32 @@ def test_pip_build_isolation_fails_with_the_command(installed: dict, tmp_path: P
         pytest.skip("pip could not set up an isolated build environment here (offline?)")
     assert proc.returncode != 0
     assert "OPB_BUILD_RELU=1 pip install --no-build-isolation --no-cache-dir ." in out
+
+
+def test_prebuilt_op_loads_from_a_read_only_cache(installed: dict, tmp_path: Path) -> None:
+    from test_security import _can_mount, _in_mount_namespace
+
+    if not _can_mount():
+        pytest.skip("needs root and unshare(1) allowed to mount (a private mount namespace makes the read-only cache)")
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    quoted = str(root)
+    proc = _in_mount_namespace(f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}", LOAD_RELU, cwd=tmp_path,
+                               **_clean_env(PYTHONPATH=str(installed["site"]), OPB_CACHE_DIR=str(root)))
+    result = _result(proc)
+    assert result["ns"] == json.loads(installed["record_path"].read_text())["namespace"]
+    assert result["y"] == ["0.0", "0.5", "nan", "3.0"]
+
+
+def test_prebuilt_folder_others_can_write_is_not_used(installed: dict, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    shutil.copytree(installed["site"], site)
+    folder = site / "opbuilder" / "_prebuilt" / "relu"
+    folder.chmod(0o775)
+    # No compiler: the JIT fallback fails, so nothing but the refused prebuilt library could be loaded.
+    proc = _python(LOAD_RELU, tmp_path, PYTHONPATH=str(site), OPB_CACHE_DIR=str(tmp_path / "cache"),
+                   CXX="no-such-compiler-opb")
+    assert proc.returncode != 0, proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "not using the prebuilt relu" in ln]
+    assert len(lines) == 1 and f"{folder} is writable by group" in lines[0], proc.stderr[-2000:]
+    assert "IncompatibleOpError" in proc.stderr

@@ -176,10 +176,10 @@ needs_mounts = pytest.mark.skipif(not _can_mount(), reason="needs root and unsha
                                   "mount namespace makes the read-only or full filesystem)")
 
 
-def _in_mount_namespace(setup: str, code: str, **env: str) -> subprocess.CompletedProcess:
+def _in_mount_namespace(setup: str, code: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python after the shell commands ``setup``, in a mount namespace of its own."""
     script = f"{setup} && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
-    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, **env}, timeout=600)
 
 
