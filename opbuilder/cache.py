@@ -383,6 +383,8 @@ def open_artifact(artifact: Path, manifest: dict) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _refuse(artifact, "is a symbolic link, which opbuilder never creates") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise cache_error(artifact, exc) from exc
         raise
     try:
         st = os.fstat(fd)

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,82 @@ def test_read_only_cache_is_named_read_only(built: tuple[Path, Path], tmp_path: 
     assert result.returncode != 0, result.stdout
     assert "CacheError" in result.stderr and "Read-only file system" in result.stderr, result.stderr[-2000:]
     assert "Permission denied" not in result.stderr
+
+
+# ---- 5. a cache shared on purpose serves a second user --------------------------------------------
+
+OTHER_UID = 1001
+
+
+def _as_other_user(code: str, cwd: Path, umask: int = 0o002, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python as uid/gid OTHER_UID (no other groups), with ``umask``.
+
+    The interpreter, torch and this checkout must be readable by that user. Where they live under a
+    folder it cannot enter (/root, mode 0700), a mount namespace of the child's own puts an open
+    tmpfs over that folder and binds back only the entries needed (the interpreter's tree): nothing
+    else of it becomes visible, and nothing changes outside the child.
+    """
+    import torch
+
+    needed = {Path(p).resolve() for p in (sys.base_prefix, sys.prefix, torch.__file__, ROOT, os.path.realpath(sys.executable))}
+    setup = []
+    for top in sorted({Path(*p.parts[:2]) for p in needed if len(p.parts) > 2}):
+        if top.stat().st_mode & 0o001:
+            continue
+        entries = sorted({Path(*p.parts[:3]) for p in needed if p.parts[:2] == top.parts})
+        for i, entry in enumerate(entries):
+            setup.append(f"mkdir -p {cwd}/.mnt{i} && mount --bind {entry} {cwd}/.mnt{i}")
+        setup.append(f"mount -t tmpfs -o mode=755 none {top}")
+        for i, entry in enumerate(entries):
+            setup.append(f"mkdir -p {entry} && mount --bind {cwd}/.mnt{i} {entry}")
+    setup.append(f"umask {umask:03o}")
+    script = " && ".join(setup) + (f" && exec setpriv --reuid={OTHER_UID} --regid={OTHER_UID} --clear-groups "
+                                   f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}")
+    full_env = {**os.environ, "HOME": str(cwd), **env}
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd=cwd,
+                          env=full_env, timeout=600)
+
+
+def _can_switch_user() -> bool:
+    if not _can_mount() or shutil.which("setpriv") is None:
+        return False
+    probe = subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", "true"])
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount: the "
+                    "test runs a second, real user id against a cache the first one built")
+def test_shared_cache_serves_a_second_user(tmp_path: Path) -> None:
+    # Everything the second user touches lives outside pytest's private (0700) temporary folder.
+    base = Path(tempfile.mkdtemp(prefix="opb-shared-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        op = write_user_op(base / "proj")
+        for path in (base / "proj", base / "proj" / "csrc"):
+            path.chmod(0o755)
+        home = base / "home"
+        home.mkdir()
+        os.chown(home, OTHER_UID, OTHER_UID)
+        shared = base / "cache"  # the team's folder: its group is the second user's, setgid, group-writable
+        shared.mkdir()
+        os.chown(shared, 0, OTHER_UID)
+        shared.chmod(0o2775)
+        env = {"OPB_CACHE_DIR": str(shared), "OPB_TRUST_SHARED_CACHE": "1"}
+
+        first = subprocess.run([sys.executable, "-c", load_snippet(op)], capture_output=True, text=True, cwd=base,
+                               env={**os.environ, **env}, preexec_fn=lambda: os.umask(0o002), timeout=600)
+        assert first.returncode == 0 and OK in first.stdout, first.stderr[-2000:]
+        second = _as_other_user(load_snippet(op), home, **env)
+        assert second.returncode == 0 and OK in second.stdout, second.stderr[-2000:]
+        assert _builds(second) == 0, "the second user must load the first one's build"
+
+        # A build made under a private umask: the second user is told what to change, not a traceback.
+        build_dir, _manifest_ = _manifest(shared)
+        build_dir.chmod(0o700)
+        refused = _as_other_user(load_snippet(op), home, **env)
+        assert refused.returncode != 0
+        last = refused.stderr.strip().splitlines()[-1]
+        assert last.startswith("opbuilder.errors.CacheError:") and str(build_dir) in last, refused.stderr[-2000:]
+        assert f"uid {OTHER_UID}" in last and "chmod" in last and "OPB_CACHE_DIR" in last, last
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
