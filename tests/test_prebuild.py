@@ -246,3 +246,28 @@ def test_prebuilt_folder_others_can_write_is_not_used(installed: dict, tmp_path:
     lines = [ln for ln in proc.stderr.splitlines() if "not using the prebuilt relu" in ln]
     assert len(lines) == 1 and f"{folder} is writable by group" in lines[0], proc.stderr[-2000:]
     assert "IncompatibleOpError" in proc.stderr
+
+
+OLD_SETUPTOOLS = '''
+__version__ = "65.5.0"
+
+
+def setup(**kwargs):  # what a setuptools before 70.1 without the wheel package ends with under pip
+    raise SystemExit("error: invalid command 'bdist_wheel'")
+'''
+
+
+def test_old_setuptools_fails_early_with_the_fix(tmp_path: Path) -> None:
+    src = _copy_project(tmp_path / "src")
+    fake = tmp_path / "old-tools" / "setuptools"
+    (fake / "command").mkdir(parents=True)
+    (fake / "__init__.py").write_text(OLD_SETUPTOOLS)
+    (fake / "command" / "__init__.py").write_text("")
+    code = (
+        f"import sys, runpy\nsys.path.insert(0, {str(fake.parent)!r})\nsys.modules['wheel'] = None\n"
+        "sys.argv = ['setup.py', 'dist_info']\nrunpy.run_path('setup.py', run_name='__main__')\n"
+    )
+    proc = _run([sys.executable, "-c", code], src, _clean_env())
+    assert proc.returncode != 0
+    assert "setuptools 65.5.0" in proc.stderr and "the wheel package is missing" in proc.stderr, proc.stderr
+    assert 'pip install "setuptools>=64" wheel' in proc.stderr and sys.executable in proc.stderr
