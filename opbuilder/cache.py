@@ -167,8 +167,10 @@ def _lookup_chain(path: Path) -> list[tuple[str, os.stat_result]]:
         candidate = os.path.join(current, part)
         try:
             st = os.lstat(candidate)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             break
+        except OSError as exc:  # a folder on the way this user cannot search
+            raise cache_error(Path(candidate), exc) from exc
         if stat.S_ISLNK(st.st_mode):
             links += 1
             if links > _MAX_LINKS:
