@@ -120,6 +120,11 @@ def share(path: Path, folder: bool = False) -> None:
         os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
 
 
+def lock_mode() -> int:
+    """The mode of a new lock file: in a shared cache the others must be able to take it too."""
+    return (0o666 & ~_umask()) if env.trust_shared_cache() else 0o644
+
+
 def _refuse(path: str | Path, problem: str) -> CacheError:
     return CacheError(
         f"opbuilder: refusing to use {path}: it {problem}, so loading from it could run someone "

@@ -78,6 +78,8 @@ def work_dir(op: str, inputs: dict) -> Path:
     ``<root>/.work/<op>-<hash>/`` (beside the ops' folders, so it is never taken for a build)."""
     settings = {k: v for k, v in inputs.items() if k not in ("files", "discovered", "builder_version")}
     settings["sources"] = sorted(inputs.get("files", {}))
+    if env.trust_shared_cache():  # objects are private to each user, even in a shared cache
+        settings["uid"] = os.getuid()
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return env.cache_root() / WORK_ROOT / f"{op}-{digest}"
 
@@ -162,7 +164,7 @@ def _end_session(sid: int) -> None:
                     fields = fh.read().rsplit(b")", 1)[1].split()
             except OSError:
                 continue
-            if len(fields) > 4 and int(fields[4]) == sid:  # field 6 of stat: the session id
+            if len(fields) > 3 and int(fields[3]) == sid:  # field 6 of stat: the session id
                 victims.append(int(entry))
     if not victims:
         with contextlib.suppress(OSError):
