@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
@@ -78,7 +79,7 @@ def _register(ns: str) -> None:
             grad_bias = _sum_to(grad_pre, ctx.bias_shape)
         return grad_lhs, grad_rhs, grad_bias
 
-    torch.library.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
 
 
 _ops = LazyOps(_OP, _register)
@@ -91,6 +92,8 @@ def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
 
 def _autocast(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """Under torch.autocast, the inputs in autocast's dtype, as torch.matmul would take them."""
+    if not torch._C._is_any_autocast_enabled():  # one call, where .device below makes an object
+        return tensors
     device = tensors[0].device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return tensors
@@ -139,6 +142,9 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     if bias is not None:
         check_same(_OP, "lhs", lhs, "bias", bias)
     _check_shapes(lhs, rhs, bias)
+    if eager.direct():
+        op = _ops.eager().fused_matmul_add_relu
+        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.call)(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 

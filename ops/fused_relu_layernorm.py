@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same, check_tensor
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
@@ -52,7 +53,7 @@ def _register(ns: str) -> None:
         grad_x, grad_w, grad_b = backward_op(grad_y, x, weight, mean, rstd, need_w or need_b)
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
 
-    torch.library.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
 
 
 _ops = LazyOps(_OP, _register)
@@ -73,7 +74,7 @@ def _check_param(arg: str, value: object, x: torch.Tensor) -> torch.Tensor | Non
         return None
     t = check_tensor(_OP, arg, value)
     check_same(_OP, "x", x, arg, t)
-    if t.shape != x.shape[-1:]:
+    if t.dim() != 1 or t.shape[0] != x.shape[-1]:
         raise ValueError(f"{_OP}: {arg} must have shape [{x.shape[-1]}] to match x's last dim, got {list(t.shape)}")
     return t
 
@@ -86,6 +87,8 @@ def _autocast(x: torch.Tensor, weight, bias):
     float32 weights and returns x's dtype: we compute in float32 and cast back. Returns
     (x, weight, bias, dtype to cast y to or None).
     """
+    if not torch._C._is_any_autocast_enabled():  # one call, where x.device below makes an object
+        return x, weight, bias, None
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return x, weight, bias, None
@@ -112,13 +115,18 @@ def fused_relu_layernorm(
     check_float(_OP, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{_OP}: x must have at least 1 dimension (the normalized one), got a 0-d tensor")
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+    if type(eps) is not float and (not isinstance(eps, numbers.Real) or isinstance(eps, bool)):
         raise TypeError(f"{_OP}: eps must be a float, got {type(eps).__name__}")
     x, weight, bias, out_dtype = _autocast(x, weight, bias)
     weight = _check_param("weight", weight, x)
     bias = _check_param("bias", bias, x)
     # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
-    y, _mean, _rstd = fused_relu_layernorm_op()(x.contiguous(), weight, bias, float(eps))
+    args = (x.contiguous(), weight, bias, float(eps))
+    if eager.direct():
+        op = _ops.eager().fused_relu_layernorm
+        y = (op.apply if eager.needs_grad(x, weight, bias) else op.call)(*args)[0]
+    else:
+        y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)
 
 

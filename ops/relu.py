@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 
@@ -41,7 +42,7 @@ def _register(ns: str) -> None:
         # One fused pass (grad where out > 0, else 0), as torch.relu's own backward.
         return torch.ops.aten.threshold_backward(grad, out, 0)
 
-    torch.library.register_autograd(f"{ns}::relu", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::relu", backward, setup_context=setup_context)
 
     mask_backward = getattr(torch.ops, ns).relu_mask_backward.default
 
@@ -54,7 +55,7 @@ def _register(ns: str) -> None:
         (mask,) = ctx.saved_tensors
         return mask_backward(grad_y, mask)
 
-    torch.library.register_autograd(f"{ns}::relu_mask", backward_mask, setup_context=setup_mask)
+    eager.register_autograd(f"{ns}::relu_mask", backward_mask, setup_context=setup_mask)
 
     # The backward is linear in grad_y with the same mask: its own gradient is itself.
     def setup_mask_backward(ctx, inputs, output) -> None:
@@ -64,7 +65,7 @@ def _register(ns: str) -> None:
         (mask,) = ctx.saved_tensors
         return mask_backward(grad, mask), None
 
-    torch.library.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
+    eager.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
                                     setup_context=setup_mask_backward)
 
 
@@ -89,6 +90,11 @@ def relu_mask_backward_op() -> torch._ops.OpOverload:
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
     check_float("relu", "x", x)
+    if eager.direct():
+        ops = _ops.eager()
+        if x.requires_grad and torch.is_grad_enabled():
+            return ops.relu_mask.apply(x)[0]
+        return ops.relu.call(x)
     if x.requires_grad and torch.is_grad_enabled():
         return relu_mask_op()(x)[0]
     return relu_op()(x)
