@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad
 
-_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+_BELOW_AUTOGRAD = below_autograd = torch._C._AutoDispatchBelowAutograd
 _TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 _ANY_AUTOCAST = torch._C._is_any_autocast_enabled
@@ -63,11 +63,13 @@ class EagerOp:
     recorded by autograd with its registered formula; None when it has none.
     """
 
-    __slots__ = ("apply", "call", "overload")
+    __slots__ = ("apply", "call", "entry", "overload")
 
     def __init__(self, overload: torch._ops.OpOverload) -> None:
         self.overload = overload
-        entry = overload._op  # the C++ callable OpOverload.__call__ forwards to
+        # The C++ callable OpOverload.__call__ forwards to. ``with below_autograd(): entry(*args)`` is
+        # ``call(*args)`` without its Python frame, for the ops whose every 0.1 us shows (relu, softmax).
+        self.entry = entry = overload._op
 
         def call(*args: Any) -> Any:
             with _BELOW_AUTOGRAD():

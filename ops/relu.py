@@ -94,7 +94,8 @@ def relu(x: torch.Tensor) -> torch.Tensor:
         ops = _ops.eager()
         if x.requires_grad and torch.is_grad_enabled():
             return ops.relu_mask.apply(x)[0]
-        return ops.relu.call(x)
+        with eager.below_autograd():
+            return ops.relu.entry(x)
     if x.requires_grad and torch.is_grad_enabled():
         return relu_mask_op()(x)[0]
     return relu_op()(x)

@@ -74,6 +74,23 @@ def test_relu_ratios_are_consistent(relu_run: tuple[int, dict, Path]) -> None:
         assert close(rows["ours"]["vs_eager"] * rows["eager"]["vs_compile"], rows["ours"]["vs_compile"])
 
 
+def test_host_rows_hold_ours_against_the_torch_call(relu_run: tuple[int, dict, Path]) -> None:
+    _, result, out = relu_run
+    rows = result["host"]
+    assert [(r["op"], r["requires_grad"]) for r in rows] == [("relu", False), ("relu", True)]
+    for r in rows:
+        assert r["torch"] == "torch.relu" and r["limit"] == 2.5 and r["shape"] == [16]
+        assert r["ours_us"] > 0 and r["torch_us"] > 0
+        assert close(r["ratio"], r["ours_us"] / r["torch_us"]) and r["within"] == (r["ratio"] <= r["limit"])
+    assert "## Host time per call" in (out / "RESULTS.md").read_text()
+
+
+def test_no_host_leaves_the_host_table_out(tmp_path: Path) -> None:
+    rc = main(["relu", "--device", "cpu", "--shapes", "8x8", "--budget-ms", "5", "--no-host",
+               "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and "host" not in json.loads((tmp_path / "r.json").read_text())
+
+
 def test_markdown_header_and_rows(relu_run: tuple[int, dict, Path]) -> None:
     _, result, out = relu_run
     text = (out / "RESULTS.md").read_text()

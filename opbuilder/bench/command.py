@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from opbuilder.bench import report
+from opbuilder.bench import host, report
 from opbuilder.bench.runner import BACKWARD, FORWARD, Case, CaseRunner, load_ours
 from opbuilder.bench.specs import SPECS, Fn, OpSpec, Shape, dtype_name, parse_dtype, parse_shape
 from opbuilder.bench.timing import CpuTimer, CudaTimer, Timer, copy_bandwidth
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-ms", type=float, metavar="MS",
                    help="time spent on the repeats of each implementation (default 200 on CUDA, 1000 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--no-host", action="store_true",
+                   help="skip the host-time table (CPU time per call of ours and of the PyTorch calls it replaces, "
+                        "on 16-element inputs)")
     return p
 
 
@@ -89,6 +92,20 @@ def _environment(device: torch.device, timer: Timer) -> dict:
         env["device_name"] = _cpu_name()
         env["device_detail"] = f"{torch.get_num_threads()} threads"
     return env
+
+
+def _host_rows(cases: list[Case], loaded: dict[str, Fn | None], device: torch.device) -> list[dict]:
+    """Host µs per call of each op that ran, beside the PyTorch call(s) it replaces (opbuilder/bench/host.py)."""
+    rows: list[dict] = []
+    names = [name for name in dict.fromkeys(c.spec.name for c in cases) if loaded.get(name) and name in host.HOST_CASES]
+    if names:
+        print("  host time per call (16-element inputs):", ", ".join(names), flush=True)
+    for name in names:
+        try:
+            rows += host.measure_op(name, loaded[name], device)
+        except Exception as e:  # the device table is already measured: report, do not lose it
+            rows.append({"op": name, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+    return rows
 
 
 def _cpu_name() -> str:
@@ -190,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         result["cost_models"][name] = {"fwd": case.spec.cost_model, "fwd+bwd": case.spec.cost_model_backward}
         if args.json:  # after each case, so a run cut short still leaves its numbers
             report.write_json(result, args.json)
+    if not args.no_host:
+        result["host"] = _host_rows(cases, loaded, device)
     result["complete"] = True
 
     report.print_report(result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from opbuilder.bench.host import table as _host_rows_table
 from opbuilder.bench.specs import SPECS
 
 COLUMNS = ("op", "shape", "dtype", "pass", "impl", "time (us)", "GB/s", "TFLOP/s", "of copy", "vs eager", "vs compile", "note")
@@ -100,9 +101,24 @@ def print_report(result: dict) -> None:
     for line in cost_models(result["rows"]):
         print(f"  {line}")
     print("vs X = time of X / time of this row (above 1: this row is faster).")
+    if result.get("host"):
+        print(f"\nHost time per call ({host_note(result['host'])}):")
+        print(host_table(result["host"]))
     print(f"Timing: {result['settings']['timing']} (benchmarks/README.md).")
     for op, why in result["skipped"].items():
         print(f"  {op}: {why}")
+
+
+def host_note(rows: list[dict]) -> str:
+    return ("thread CPU time of one forward call on 16-element inputs, the least of 15 rounds; ratio = ours / the "
+            "PyTorch call or unfused sequence; target: relu and softmax <= 2.5, a fused op <= 1")
+
+
+def host_table(rows: list[dict]) -> str:
+    good = [r for r in rows if not r.get("error")]
+    lines = [_host_rows_table(good)] if good else []
+    lines += [f"{r['op']}: ERROR {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(lines)
 
 
 # ---- files ------------------------------------------------------------------------------------------
@@ -145,6 +161,9 @@ def write_markdown(result: dict, path: Path) -> None:
                 c[4:6] = [f"**{c[4]}**", f"**{c[5]}**"]
             lines.append("| " + " | ".join(x.replace("|", "\\|") for x in c) + " |")
         lines.append("")
+    if result.get("host"):
+        lines += ["## Host time per call", "", host_note(result["host"]) + ".", "", "```", host_table(result["host"]),
+                  "```", ""]
     lines += ["## Cost models", ""] + [f"- {line}" for line in cost_models(result["rows"])] + [""]
     if result["skipped"]:
         lines += ["## Not measured", ""] + [f"- {op}: {why}" for op, why in result["skipped"].items()] + [""]
