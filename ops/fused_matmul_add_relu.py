@@ -92,8 +92,6 @@ def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
 
 def _autocast(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """Under torch.autocast, the inputs in autocast's dtype, as torch.matmul would take them."""
-    if not torch._C._is_any_autocast_enabled():  # one call, where .device below makes an object
-        return tensors
     device = tensors[0].device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return tensors
@@ -102,6 +100,10 @@ def _autocast(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
 
 
 def _check_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if lhs.dim() == 2 and rhs.dim() == 2 and lhs.shape[1] == rhs.shape[0]:
+        # The linear layer's case in a few reads (it is on every call's path); anything else below.
+        if bias is None or (bias.dim() == 1 and bias.shape[0] in (1, rhs.shape[1])):
+            return
     if lhs.dim() not in (2, 3):
         raise ValueError(f"{_OP}: lhs must be 2-D [M, K] or 3-D [B, M, K], got shape {list(lhs.shape)}")
     if rhs.dim() not in (2, 3):
@@ -137,7 +139,8 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     check_float(_OP, "rhs", rhs)
     if bias is not None:
         check_float(_OP, "bias", bias)
-    lhs, rhs, bias = _autocast([lhs, rhs, bias])
+    if torch._C._is_any_autocast_enabled():
+        lhs, rhs, bias = _autocast([lhs, rhs, bias])
     check_same(_OP, "lhs", lhs, "rhs", rhs)
     if bias is not None:
         check_same(_OP, "lhs", lhs, "bias", bias)

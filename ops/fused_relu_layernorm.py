@@ -72,6 +72,9 @@ def fused_relu_layernorm_backward_op() -> torch._ops.OpOverload:
 def _check_param(arg: str, value: object, x: torch.Tensor) -> torch.Tensor | None:
     if value is None:
         return None
+    if (type(value) is torch.Tensor or type(value) is nn.Parameter) and value.dtype is x.dtype \
+            and value.dim() == 1 and value.shape[0] == x.shape[-1] and value.device == x.device:
+        return value  # the usual case in a few reads (on every call's path); the named errors below
     t = check_tensor(_OP, arg, value)
     check_same(_OP, "x", x, arg, t)
     if t.dim() != 1 or t.shape[0] != x.shape[-1]:
@@ -87,8 +90,6 @@ def _autocast(x: torch.Tensor, weight, bias):
     float32 weights and returns x's dtype: we compute in float32 and cast back. Returns
     (x, weight, bias, dtype to cast y to or None).
     """
-    if not torch._C._is_any_autocast_enabled():  # one call, where x.device below makes an object
-        return x, weight, bias, None
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return x, weight, bias, None
@@ -117,7 +118,9 @@ def fused_relu_layernorm(
         raise ValueError(f"{_OP}: x must have at least 1 dimension (the normalized one), got a 0-d tensor")
     if type(eps) is not float and (not isinstance(eps, numbers.Real) or isinstance(eps, bool)):
         raise TypeError(f"{_OP}: eps must be a float, got {type(eps).__name__}")
-    x, weight, bias, out_dtype = _autocast(x, weight, bias)
+    out_dtype = None
+    if torch._C._is_any_autocast_enabled():
+        x, weight, bias, out_dtype = _autocast(x, weight, bias)
     weight = _check_param("weight", weight, x)
     bias = _check_param("bias", bias, x)
     # Contiguous here rather than in the op, so that the x saved for the backward is the copy.

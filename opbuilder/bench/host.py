@@ -8,6 +8,7 @@ do not count; each figure is the least over several rounds, ours and PyTorch's t
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,19 @@ def _unfused_relu_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return F.layer_norm(torch.relu(x), (x.shape[-1],), weight, bias, LN_EPS)
 
 
+def _op(module: str, getter: str, *extra: object, first: bool = False) -> Callable[[], Fn]:
+    """The registered op ``opbuilder.ops.<module>.<getter>()`` as a function of the spec's inputs (``extra``
+    appended: eps); ``first``: keep the first output only. Resolved when measured (it loads the op)."""
+
+    def make() -> Fn:
+        op = getattr(importlib.import_module(f"opbuilder.ops.{module}"), getter)()
+        if first:
+            return lambda *inputs: op(*inputs, *extra)[0]
+        return lambda *inputs: op(*inputs, *extra)
+
+    return make
+
+
 @dataclass(frozen=True)
 class HostCase:
     #: what ours is held against, in words and as a function of the spec's inputs
@@ -43,14 +57,20 @@ class HostCase:
     torch_fn: Fn
     #: the most ours may cost, as a multiple of the torch call (the issue's targets)
     limit: float
+    #: our op straight through ``torch.ops`` (no Python checks): plain, and the one a gradient takes
+    op: Callable[[], Fn]
+    grad_op: Callable[[], Fn] | None = None
 
 
 HOST_CASES: dict[str, HostCase] = {
-    "relu": HostCase("torch.relu", torch.relu, 2.5),
-    "softmax": HostCase("torch.softmax", lambda x: torch.softmax(x, -1), 2.5),
-    "fused_relu_layernorm": HostCase("F.layer_norm(torch.relu(x))", _unfused_relu_layernorm, 1.0),
-    "fused_add_rmsnorm": HostCase("x + r, F.rms_norm", _unfused_add_rmsnorm, 1.0),
-    "fused_matmul_add_relu": HostCase("torch.relu(a @ b + c)", lambda a, b, c: torch.relu(a @ b + c), 1.0),
+    "relu": HostCase("torch.relu", torch.relu, 2.5, _op("relu", "relu_op"), _op("relu", "relu_mask_op", first=True)),
+    "softmax": HostCase("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, _op("softmax", "forward_op")),
+    "fused_relu_layernorm": HostCase("F.layer_norm(torch.relu(x))", _unfused_relu_layernorm, 1.0,
+                                     _op("fused_relu_layernorm", "fused_relu_layernorm_op", LN_EPS, first=True)),
+    "fused_add_rmsnorm": HostCase("x + r, F.rms_norm", _unfused_add_rmsnorm, 1.0,
+                                  _op("fused_add_rmsnorm", "fused_add_rmsnorm_op", RMS_EPS)),
+    "fused_matmul_add_relu": HostCase("torch.relu(a @ b + c)", lambda a, b, c: torch.relu(a @ b + c), 1.0,
+                                      _op("fused_matmul_add_relu", "fused_matmul_add_relu_op")),
 }
 
 
@@ -86,26 +106,38 @@ def measure_op(op: str, ours: Fn, device: torch.device, dtype: torch.dtype = tor
     rows = []
     for grad in (False, True):
         inputs: Inputs = [t.requires_grad_(grad) for t in spec.make_inputs(shape, dtype, device, gen)]
-        times = time_calls({"ours": lambda: ours(*inputs), "torch": lambda: case.torch_fn(*inputs)},
-                           calls=calls, rounds=rounds, sync=sync)
+        registered = (case.grad_op or case.op)() if grad else case.op()
+        fns = {"ours": lambda: ours(*inputs), "torch": lambda: case.torch_fn(*inputs),
+               "torch.ops": lambda: registered(*inputs)}
+        if not grad:
+            def alone() -> object:
+                with torch._C._AutoDispatchBelowAutograd():
+                    return registered(*inputs)
+
+            fns["c++ alone"] = alone
+        times = time_calls(fns, calls=calls, rounds=rounds, sync=sync)
         ratio = times["ours"] / times["torch"]
         rows.append({
             "op": op, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "device": device.type,
             "requires_grad": grad, "ours_us": times["ours"], "torch": case.torch_name, "torch_us": times["torch"],
             "ratio": ratio, "limit": case.limit, "within": ratio <= case.limit,
+            # our op through torch.ops (its Python autograd kernel included), and below that kernel: the floor
+            # the C++ op and torch's boxed call set, whatever the Python function does
+            "torch_ops_us": times["torch.ops"], "cpp_alone_us": times.get("c++ alone"),
         })
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """The rows as aligned text."""
-    head = ["op", "grad", "ours (us)", "torch (us)", "ratio", "target", "", "against"]
+    head = ["op", "grad", "ours (us)", "torch (us)", "ratio", "target", "", "torch.ops (us)", "c++ alone (us)", "against"]
     body = [head] + [[
         r["op"], "yes" if r["requires_grad"] else "no", f"{r['ours_us']:.2f}", f"{r['torch_us']:.2f}",
-        f"{r['ratio']:.2f}", f"<= {r['limit']:g}", "ok" if r["within"] else "MISSED", r["torch"],
+        f"{r['ratio']:.2f}", f"<= {r['limit']:g}", "ok" if r["within"] else "MISSED", f"{r['torch_ops_us']:.2f}",
+        "-" if r["cpp_alone_us"] is None else f"{r['cpp_alone_us']:.2f}", r["torch"],
     ] for r in rows]
     widths = [max(len(line[i]) for line in body) for i in range(len(head))]
-    right = {2, 3, 4}
+    right = {2, 3, 4, 7, 8}
     return "\n".join(
         "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
         for line in body
