@@ -195,3 +195,10 @@ def test_same_bytes_copy_moves_the_model_bytes_from_each_set() -> None:
     assert first.dtype == torch.uint8 and first.numel() == 500  # 500 read + 500 written
     assert not torch.equal(first, second)  # each set has its own source, as the op's inputs rotate
     assert torch.equal(copy(*sets[0]), first)
+
+
+def test_copy_note_explains_a_ratio_above_one() -> None:
+    rows = [{"frac_copy": 0.8}, {"frac_copy": None}]
+    assert report.copy_note(rows, 30.0) == ""
+    note = report.copy_note(rows + [{"frac_copy": 2.17}], 30.2)
+    assert "30.2 GB/s" in note and "above 1 in 1 row" in note and "copy, same bytes" in note

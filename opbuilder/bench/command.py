@@ -17,10 +17,20 @@ from opbuilder.bench.specs import SPECS, Fn, OpSpec, Shape, dtype_name, parse_dt
 from opbuilder.bench.timing import CpuTimer, CudaTimer, Timer, copy_bandwidth
 
 DESCRIPTION = """\
-Time opbuilder's ops beside PyTorch eager and torch.compile on the same random inputs, in one run.
-Reports time, GB/s under each op's least-bytes model (TFLOP/s for the matmul), the fraction of the copy
-bandwidth measured in the same run, and speedups. Default shapes: the issue's targets (CUDA) or fp32
-4096x4096 (CPU)."""
+Time opbuilder's ops beside PyTorch eager and torch.compile on the same random inputs, in one run, and
+print a table: time per call (median), GB/s under each op's least-bytes model (TFLOP/s for the matmul),
+"of copy" (GB/s over a large copy's, measured first in the same run), and speedups ("vs eager" = eager's
+time / this row's: above 1 is faster). A table of host time per call on tiny inputs follows.
+
+Without --shapes each op runs at its usual sizes: on CUDA the sizes of benchmarks/RESULTS.md (LLM shapes
+such as 32768x4096 bf16), on a CPU fp32 4096x4096. A run of every op takes a few minutes.
+
+examples:
+  opbuilder bench                                   every op at its usual sizes
+  opbuilder bench softmax --shapes 4096x4096 --dtype fp32 bf16
+  opbuilder bench fused_add_rmsnorm --backward --markdown RESULTS.md --json r.json
+  opbuilder bench --device cpu relu --shapes 1024x1024
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", metavar="SHAPE",
                    help="shapes such as 4096x4096 (ROWSxHIDDEN); the matmul takes BxMxKxN (full-shape bias) or "
                         "MxKxN (vector bias). A shape that does not fit an op is skipped for it.")
-    p.add_argument("--dtype", nargs="+", metavar="DTYPE", help="fp32, bf16, fp16 or fp64 (default: per shape)")
+    p.add_argument("--dtype", nargs="+", metavar="DTYPE", help="fp32, bf16, fp16 or fp64 (default: each op's usual dtype on the device)")
     p.add_argument("--backward", action="store_true", help="also time forward+backward steps")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--json", type=Path, metavar="FILE", help="write every number to FILE")

@@ -188,7 +188,9 @@ class CaseRunner:
         return [o.detach() for o in outs] + grads
 
     def _same_bytes_copy(self, nbytes: int, sets: list[Inputs]) -> Fn:
-        """A copy of nbytes / 2 bytes, from a source of its own for each input set (rotated like them)."""
+        """A copy of nbytes / 2 bytes, from a source of its own for each input set (rotated like them), into
+        one destination: as the op's output, which the allocator hands back call after call, it stays in the
+        cache when it fits, so this row (unlike the big copy in the header) is the yardstick at this size."""
         dst = torch.empty(nbytes // 2, dtype=torch.uint8, device=self.device)
         srcs = {id(inputs[0]): torch.empty_like(dst).random_() for inputs in sets}
         return lambda *inputs: dst.copy_(srcs[id(inputs[0])])
