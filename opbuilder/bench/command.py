@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-from opbuilder.bench import host, report
+from opbuilder.bench import host, liger, report
 from opbuilder.bench.runner import BACKWARD, FORWARD, Case, CaseRunner, load_ours
 from opbuilder.bench.specs import SPECS, Fn, OpSpec, Shape, dtype_name, parse_dtype, parse_shape
 from opbuilder.bench.timing import CpuTimer, CudaTimer, Timer, copy_bandwidth
 
 DESCRIPTION = """\
-Time opbuilder's ops beside PyTorch eager and torch.compile on the same random inputs, in one run, and
+Time opbuilder's ops beside PyTorch eager, torch.compile and, on CUDA where it is installed (pip install
+'opbuilder[liger]'), Liger-Kernel, on the same random inputs, in one run, and
 print a table: time per call (median), GB/s under each op's least-bytes model (TFLOP/s for the matmul),
 "of copy" (GB/s over a large copy's, measured first in the same run), and speedups ("vs eager" = eager's
 time / this row's: above 1 is faster). A table of host time per call on tiny inputs follows.
@@ -176,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     timing += "; inputs rotated among enough random sets to span 4x the last-level cache when one set is smaller"
 
     env = _environment(device, timer)
+    liger_module, env["liger"] = (None, "not asked for: no op with a Liger counterpart") \
+        if not any(c.spec.name in liger.ADAPTERS for c in cases) else liger.load(device)
+    env["liger_loaded"] = liger_module is not None
     print(f"opbuilder bench on {env['device_name']}: measuring the copy bandwidth", flush=True)
     copy = copy_bandwidth(timer)
-    runner = CaseRunner(timer, copy["GBps"], seed=args.seed)
+    runner = CaseRunner(timer, copy["GBps"], seed=args.seed, liger=liger_module)
 
     rows: list[dict] = []
     result = {
