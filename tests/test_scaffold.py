@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, requires_cuda
+from conftest import CUDA, ROOT, requires_cuda
 from opbuilder import scaffold, toolchain
 from opbuilder.builder import INCLUDE_DIR
 
@@ -69,7 +69,8 @@ def test_new_refuses_bad_names_and_existing_folders(tmp_path: Path) -> None:
     assert _new(tmp_path, "ok_op").returncode == 2
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.skipif(NVCC is None or CUDA, reason="nvcc not installed, or a GPU is here: the GPU test below builds "
+                    "and runs the same skeleton")
 def test_cuda_skeleton_compiles_with_nvcc(tmp_path: Path) -> None:
     """Where there is nvcc but no GPU: the generated CUDA code compiles for sm_90 and the binding's
     CUDA part is valid C++."""
