@@ -41,11 +41,12 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # Modules whose module-scoped fixture is expensive: a pip install that prebuilds relu (test_prebuild), a bench
-# run (test_bench), relu's build copied into a private cache (test_report_health). Under xdist's default "load"
+# run (test_bench), relu's build copied into a private cache (test_report_health), a cold build of relu that
+# the next tests read (test_cli: its tests must also run in order, on one worker). Under xdist's default "load"
 # distribution their tests spread over the workers and every worker sets the fixture up again (on the GPU
 # machine a build means nvcc): with "-n N" these modules run on one worker each (xdist's loadgroup, which
 # spreads every other test as "load" does).
-ONE_WORKER_MODULES = ("test_prebuild", "test_bench", "test_report_health")
+ONE_WORKER_MODULES = ("test_prebuild", "test_bench", "test_report_health", "test_cli")
 
 
 def pytest_configure(config: pytest.Config) -> None:
