@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, requires_cuda
+from conftest import CUDA, ROOT, requires_cuda
 from opbuilder import scaffold, toolchain
 from opbuilder.builder import INCLUDE_DIR, OpBuilder
 
@@ -163,7 +163,8 @@ def test_render_keeps_the_sections_of_the_abi_and_cuda_asked_for() -> None:
     assert stable == classic and "csrc/binding.cpp" in stable and "csrc/op.cu" in stable
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.skipif(NVCC is None or CUDA, reason="nvcc not installed, or a GPU is here: the GPU test below builds "
+                    "and runs the same skeleton")
 def test_cuda_skeleton_compiles_with_nvcc(tmp_path: Path) -> None:
     """Where there is nvcc but no GPU (the CPU torch does not build .cu files): the generated CUDA code
     compiles for sm_90 and the stable binding's CUDA part is valid C++ (the classic one: see above)."""
