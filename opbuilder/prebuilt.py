@@ -298,7 +298,7 @@ def write_manifest(builder: OpBuilder, artifact: Path, seconds: float) -> Path:
         "cuda_archs": builder.cuda_archs() if with_cuda else [],
         "abi": inputs["abi"],
         "torch": toolchain.torch_environment()["torch"],  # what built it; a stable-ABI op serves later ones too
-        "torch_cuda": inputs["torch_cuda"],
+        "torch_cuda": toolchain.torch_environment()["torch_cuda"],
         "compilers": {"cxx": inputs["cxx"], "nvcc": inputs["nvcc"]},
         "ldflags": builder.final_ldflags(),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -69,13 +69,13 @@ def test_sigkill_at_ten_random_moments(tmp_path: Path, fresh_cache: Path) -> Non
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_ends_every_compiler(sig: signal.Signals, tmp_path: Path, fresh_cache: Path) -> None:
     op = write_user_op(tmp_path / "proj")
-    op_dir = fresh_cache / "add_scale"
     proc = _start(op)
-    assert _wait_for(lambda: bool(_build_processes(op / "csrc", op_dir)), 120), "the build never started"
+    # ninja and its compilers run in the op's work folder in the cache.
+    assert _wait_for(lambda: bool(_build_processes(op / "csrc", fresh_cache)), 120), "the build never started"
     proc.send_signal(sig)
     proc.wait(timeout=30)
     assert proc.returncode != 0
-    assert _wait_for(lambda: not _build_processes(op / "csrc", op_dir), 3), _build_processes(op / "csrc", op_dir)
+    assert _wait_for(lambda: not _build_processes(op / "csrc", fresh_cache), 3), _build_processes(op / "csrc", fresh_cache)
     result = _load(op, OPB_LOCK_TIMEOUT="0")
     assert result.returncode == 0 and OK in result.stdout, result.stderr
 
@@ -178,8 +178,16 @@ def test_full_disk_during_build_is_named_and_leaves_nothing(tmp_path: Path, fres
     assert leftovers == [], leftovers
 
 
-def test_torch_upgrade_gives_a_new_key_and_both_builds_coexist(tmp_path: Path, fresh_cache: Path) -> None:
+def test_torch_upgrade_reuses_a_stable_op(tmp_path: Path, fresh_cache: Path) -> None:
     op = write_user_op(tmp_path / "proj")
+    assert _load(op).returncode == 0
+    upgraded = run_python("import torch\ntorch.__version__ = '99.0.0'\n" + load_snippet(op))
+    assert upgraded.returncode == 0 and OK in upgraded.stdout, upgraded.stderr
+    assert _builds(upgraded) == 0, "a stable-ABI build serves every torch of its ABI range"
+
+
+def test_torch_upgrade_gives_a_classic_op_a_new_key_and_both_builds_coexist(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj", classic=True)
     assert _load(op).returncode == 0
     upgraded = run_python("import torch\ntorch.__version__ = '99.0.0'\n" + load_snippet(op))
     assert upgraded.returncode == 0 and OK in upgraded.stdout, upgraded.stderr

@@ -105,7 +105,7 @@ DAMAGES = {
     "missing library": (_no_library, "artifact missing in"),
     "missing manifest": (_no_manifest, "manifest missing or unreadable in"),
     "garbled manifest": (_garbled_manifest, "manifest missing or unreadable in"),
-    "manifest without the library's record": (_manifest_without_record, "lacks the artifact's record"),
+    "manifest without the library's record": (_manifest_without_record, "artifact_sha256 None is not a sha256"),
 }
 
 

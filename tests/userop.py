@@ -1,4 +1,5 @@
-"""A user's own op, written into a temporary folder the way a user's project would hold it."""
+"""A user's own op (on the stable ABI: it builds in about two seconds), written into a temporary folder the
+way a user's project would hold it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,27 @@ class AddScaleBuilder(OpBuilder):
 HEADER = "#pragma once\nconstexpr float kScale = {scale};\n"
 
 SOURCE = '''
+#include <opbuilder/stable.h>
+#include "scale.h"
+
+namespace {{
+opb::Tensor add_scale(const opb::Tensor& x) {{
+  STD_TORCH_CHECK(x.scalar_type() == opb::ScalarType::Float, "add_scale: x must be float32, got ", x.scalar_type());
+  opb::Tensor xc = torch::stable::contiguous(x);
+  opb::Tensor y = opb::new_output(xc);
+  const float* in = static_cast<const float*>(xc.data_ptr());
+  float* out = static_cast<float*>(y.data_ptr());
+  for (int64_t i = 0; i < xc.numel(); ++i) out[i] = in[i] * kScale + {offset};
+  return y;
+}}
+}}  // namespace
+
+OPB_LIBRARY(m) {{ m.def("add_scale(Tensor x) -> Tensor"); }}
+OPB_LIBRARY_IMPL(CPU, m) {{ m.impl("add_scale", TORCH_BOX(&add_scale)); }}
+'''
+
+
+CLASSIC_SOURCE = '''
 #include <opbuilder/library.h>
 #include <ATen/core/Tensor.h>
 #include "scale.h"
@@ -44,12 +66,14 @@ OPB_LIBRARY_IMPL(CPU, m) {{ m.impl("add_scale", &add_scale); }}
 '''
 
 
-def write_user_op(root: Path, scale: float = 2.0, offset: float = 1.0, broken: bool = False) -> Path:
-    """Write the op's builder module and sources under ``root``; returns ``root``."""
+def write_user_op(root: Path, scale: float = 2.0, offset: float = 1.0, broken: bool = False,
+                  classic: bool = False) -> Path:
+    """Write the op's builder module and sources under ``root`` (``classic``: an ATen/torch/library.h
+    binding instead of the stable ABI); returns ``root``."""
     (root / "csrc").mkdir(parents=True, exist_ok=True)
     (root / "my_ops.py").write_text(BUILDER)
     (root / "csrc" / "scale.h").write_text(HEADER.format(scale=scale))
-    source = SOURCE.format(offset=offset)
+    source = (CLASSIC_SOURCE if classic else SOURCE).format(offset=offset)
     if broken:
         source = source.replace("return y;", "return y  // missing semicolon\n  int z = ;")
     (root / "csrc" / "add_scale.cpp").write_text(source)
