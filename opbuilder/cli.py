@@ -1,4 +1,4 @@
-"""The ``opbuilder`` command: report, build, clean, new, bench.
+"""The ``opbuilder`` command: report, build, clean, new, bench, check, tune.
 
 Each subcommand imports what it needs when it runs, so ``opbuilder --help`` imports no torch.
 Exit codes: 0 success, 1 a build or an op failed, 2 a usage error.
@@ -42,6 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("--cuda", action="store_true", help="add a CUDA kernel beside the CPU one")
     new.add_argument("--dir", default=".", type=Path, help="folder to write NAME/ into (default: here)")
 
+    chk = sub.add_parser("check", help="every implementation of an op against a float64 reference, with a status each")
+    chk.add_argument("op", metavar="OP", help="the op (a built-in one)")
+    chk.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+    tune = sub.add_parser("tune", help="time the implementations that pass; dispatch then picks the fastest")
+    tune.add_argument("op", metavar="OP", help="the op (a built-in one)")
+    tune.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    tune.add_argument("--budget-ms", type=float, default=200.0, help="time budget per implementation and workload")
+    tune.add_argument("--json", action="store_true", help="print the stored trace")
+
     sub.add_parser("bench", help="benchmark the ops (arguments go to `opbuilder bench --help`)", add_help=False)
     return parser
 
@@ -51,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # every argument, --help included, belongs to the bench tool
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
-    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new}
+    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new, "check": _check, "tune": _tune}
     from opbuilder.errors import OpBuilderError
 
     try:
@@ -71,10 +82,42 @@ def _err(message: str) -> None:
 def _report(args: argparse.Namespace) -> int:
     import json
 
-    from opbuilder import report
+    from opbuilder import dispatch_report, report
 
     data = report.collect()
-    print(json.dumps(data, indent=1) if args.json else report.render(data))
+    data["dispatch"] = dispatch_report.collect()
+    print(json.dumps(data, indent=1) if args.json else report.render(data) + "\n" + dispatch_report.render(data["dispatch"]))
+    return 0
+
+
+# ---- check, tune -------------------------------------------------------------------------------
+
+
+def _check(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from opbuilder import check, dispatch_report
+
+    rows = check.check(args.op, args.device)
+    where = check.save(args.op, rows, "check")
+    print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else dispatch_report.render_rows(rows))
+    _err(f"opbuilder check: stored in {where}")
+    return 0 if all(r.status == "PASSED" for r in rows) else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from opbuilder import check, dispatch_report
+
+    rows = check.tune(args.op, args.device, args.budget_ms)
+    where = check.save(args.op, rows, "tune")
+    if args.json:
+        print(where.read_text())
+    else:
+        d = dispatch_report.op_dispatch(args.op)
+        print(dispatch_report.render_rows(rows))
+        print("dispatch picks: " + ("; ".join(f"{w}: {n}" for w, n in d["picks"].items()) or "the default"))
+    _err(f"opbuilder tune: stored in {where}")
     return 0
 
 
