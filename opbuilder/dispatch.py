@@ -51,10 +51,10 @@ class Router:
             functools.update_wrapper(self, final)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # resolve() first, every call (at once when resolved): under torch.compile no attribute of the
+        # router may be read before it, or Dynamo would guard on the table being None.
+        resolve(self.op)
         table = self.table
-        if table is None:
-            resolve(self.op)
-            table = self.table
         if table:
             x = args[0] if args and hasattr(args[0], "dtype") else _first_tensor(args)
             fn = table.get((x.device.type, x.dtype, _bucket(x)), self.default)
