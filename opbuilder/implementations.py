@@ -64,10 +64,19 @@ class _CompiledOp:
 
     def __init__(self, builder: OpBuilder, op_name: str) -> None:
         self.builder, self.op_name, self.op = builder, op_name, None
+        self.error: Exception | None = None
 
     def load(self) -> None:
+        """Raises what the build or load raised; a failure is not retried in this process (a check, then
+        the first call, would otherwise compile the same broken sources twice)."""
+        if self.error is not None:
+            raise self.error
         if self.op is None:
-            self.op = getattr(self.builder.load(), self.op_name)
+            try:
+                self.op = getattr(self.builder.load(), self.op_name)
+            except Exception as exc:
+                self.error = exc
+                raise
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.op is None:
