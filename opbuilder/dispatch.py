@@ -47,6 +47,7 @@ class Router:
         self.default: Callable[..., Any] = _continue
         self.picks: dict[Any, str] = {}  # the same choices by implementation name (report, tests)
         self.default_name = ""
+        self.leave_later = False  # resolved to the direct path while Dynamo traced: leave ROUTES at the next call
         if final is not None:
             functools.update_wrapper(self, final)
 
@@ -110,6 +111,9 @@ def resolve(op: str) -> bool:
 
     r = _ROUTERS[op]
     if r.table is not None:
+        if r.leave_later and not _tracing():
+            ROUTES.pop(op, None)
+            r.leave_later = False
         return op in ROUTES or op not in BUILDERS
     impls = {i.name: i for i in implementations.of(op)}
     failed: dict[str, BaseException] = {}
@@ -159,9 +163,21 @@ def resolve(op: str) -> bool:
     r.table = {where: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
                for where, name in picks.items()}
     if op in BUILDERS and not picks and default is _continue:
-        ROUTES.pop(op, None)  # the direct path: today's call plus one dict lookup
+        # The direct path: today's call plus one dict lookup. While Dynamo traces, the op stays in ROUTES
+        # (its router sends the call to the body all the same): the guards made after the trace read it.
+        if _tracing():
+            r.leave_later = True
+        else:
+            ROUTES.pop(op, None)
         return False
     return True
+
+
+def _tracing() -> bool:
+    """Whether Dynamo is tracing now (``resolve`` runs for real while it does)."""
+    import torch._guards
+
+    return torch._guards.TracingContext.try_get() is not None
 
 
 resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
@@ -172,7 +188,7 @@ def reset(op: str | None = None) -> None:
     or new implementations, in this process."""
     for name in [op] if op else list(_ROUTERS):
         r = router(name)
-        r.table, r.picks, r.default, r.default_name = None, {}, _continue, ""
+        r.table, r.picks, r.default, r.default_name, r.leave_later = None, {}, _continue, "", False
         if name in BUILDERS:
             ROUTES[name] = r
 
