@@ -1,6 +1,7 @@
 """opbuilder: build C++/CUDA ops for PyTorch on first use, into a content-addressed cache."""
 
 from opbuilder.builder import OpBuilder
+from opbuilder.dispatch import apply
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, UnknownOpError
 from opbuilder.registry import get_builder
 
@@ -14,6 +15,7 @@ __all__ = [
     "IncompatibleOpError",
     "OpBuilder",
     "UnknownOpError",
+    "apply",
     "get_builder",
     "prepare",
     "__version__",

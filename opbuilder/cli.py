@@ -46,12 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("op", metavar="OP", help="the op (a built-in one)")
     chk.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+    chk.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                     help="import MODULE first: where a user op's definition and implementations are registered")
 
     tune = sub.add_parser("tune", help="time the implementations that pass; dispatch then picks the fastest")
     tune.add_argument("op", metavar="OP", help="the op (a built-in one)")
     tune.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     tune.add_argument("--budget-ms", type=float, default=200.0, help="time budget per implementation and workload")
     tune.add_argument("--json", action="store_true", help="print the stored trace")
+    tune.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first: where a user op's definition and implementations are registered")
 
     sub.add_parser("bench", help="benchmark the ops (arguments go to `opbuilder bench --help`)", add_help=False)
     return parser
@@ -63,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
     handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new, "check": _check, "tune": _tune}
-    from opbuilder.errors import OpBuilderError
+    from opbuilder.errors import OpBuilderError, UnknownOpError
 
     try:
         return handlers[args.command](args)
-    except (OpBuilderError, ValueError) as exc:  # an unusable cache, a bad TORCH_CUDA_ARCH_LIST, ...
+    except (OpBuilderError, UnknownOpError, ImportError, ValueError) as exc:  # an unusable cache, a bad TORCH_CUDA_ARCH_LIST, ...
         _err(f"opbuilder {args.command}: {exc}")
         return 1
 
@@ -93,12 +97,21 @@ def _report(args: argparse.Namespace) -> int:
 # ---- check, tune -------------------------------------------------------------------------------
 
 
+def _import(modules: list[str]) -> None:
+    import importlib
+
+    sys.path.insert(0, os.getcwd())  # a module of the project the command runs in
+    for name in modules:
+        importlib.import_module(name)
+
+
 def _check(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
     from opbuilder import check, dispatch_report
 
+    _import(args.imports)
     rows = check.check(args.op, args.device)
     where = check.save(args.op, rows, "check")
     print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else dispatch_report.render_rows(rows))
@@ -109,6 +122,7 @@ def _check(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from opbuilder import check, dispatch_report
 
+    _import(args.imports)
     rows = check.tune(args.op, args.device, args.budget_ms)
     where = check.save(args.op, rows, "tune")
     if args.json:

@@ -5,6 +5,7 @@ The user op (tests/dispatch_userop.py) is tiny and CPU-only; its builds land in 
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -138,3 +139,32 @@ def test_apply_under_torch_compile_fullgraph(two_versions: str) -> None:
     compiled = torch.compile(lambda x: fn(x).sum(-1), fullgraph=True)
     x = _x(8, 64)
     torch.testing.assert_close(compiled(x), (x * 2 + 1).sum(-1))
+
+
+def test_tune_stores_a_trace_that_dispatch_follows(capsys: pytest.CaptureFixture[str]) -> None:
+    """The real tune (a few ms a case): a trace with a time for every row that passed, none for the others;
+    the command prints it; dispatch, whatever the times, keeps odd widths away from v2."""
+    from opbuilder import cli
+
+    op = "twice_plus_one_tuned"
+    dispatch_userop.define(op, USEROP_DIR, ("v1", "v2"))
+    assert cli.main(["tune", op, "--budget-ms", "5", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["op"] == op and data["key"] == trace.key(check.keys(op)) and set(data["implementations"]) == {"v1", "v2", "reference"}
+    for row in data["rows"]:
+        assert (row["us"] is not None and row["us"] > 0) == (row["status"] == "PASSED"), row
+        assert row["device"] == "cpu" and row["device_name"] == trace.device_name("cpu")
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    assert fn.pick(_x(7, 111)) != "v2" and fn.pick(_x(5, 111)) != "v2"
+
+    assert cli.main(["check", op]) == 1  # v2 fails some workloads
+    out = capsys.readouterr().out
+    assert "INCORRECT_NUMERICAL" in out and "v2" in out
+
+
+def test_cli_names_an_unknown_op(capsys: pytest.CaptureFixture[str]) -> None:
+    from opbuilder import cli
+
+    assert cli.main(["check", "no_such_op"]) == 1
+    err = capsys.readouterr().err
+    assert "no op definition named 'no_such_op'" in err and "fused_add_rmsnorm" in err
