@@ -114,8 +114,10 @@ def _check(args: argparse.Namespace) -> int:
     _import(args.imports)
     rows = check.check(args.op, args.device)
     where = check.save(args.op, rows, "check")
-    print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else dispatch_report.render_rows(rows))
-    _err(f"opbuilder check: stored in {where}")
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    else:
+        print(dispatch_report.render_rows(rows) + f"\nstored in {where}")
     return 0 if all(r.status == "PASSED" for r in rows) else 1
 
 
@@ -131,7 +133,7 @@ def _tune(args: argparse.Namespace) -> int:
         d = dispatch_report.op_dispatch(args.op)
         print(dispatch_report.render_rows(rows))
         print("dispatch picks: " + ("; ".join(f"{w}: {n}" for w, n in d["picks"].items()) or "the default"))
-    _err(f"opbuilder tune: stored in {where}")
+        print(f"stored in {where}")
     return 0
 
 
