@@ -1,29 +1,31 @@
 """The one sequence that builds and loads an op.
 
 try the cache -> take the lock -> try again -> build into a temporary folder -> publish with an
-atomic rename -> load. The compile runs in a child process of its own process group, through
-``torch.utils.cpp_extension.load``.
+atomic rename -> load. The compile runs from this process through ninja, on the build file
+torch.utils.cpp_extension writes (``opbuilder.compile``): no interpreter starts, nothing is loaded
+before this process loads the published library, and an edit recompiles only what it touched.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opbuilder import cache, env, loader
+from opbuilder import cache, compile as ninja_build, env, loader
+from opbuilder.compile import SourcesChanged
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout
+
+__all__ = ["BuildSpec", "SourcesChanged", "build_and_load", "ensure_built", "say"]
 
 
 @dataclass
@@ -32,8 +34,8 @@ class BuildSpec:
 
     op: str
     key: str
-    name: str  # extension module name, unique per key
-    namespace: str  # torch.ops namespace (TORCH_LIBRARY builds)
+    name: str  # extension module name (TORCH_EXTENSION_NAME): one per op, so a new key recompiles nothing
+    namespace: str  # torch.ops namespace (TORCH_LIBRARY builds), compiled in by a generated file
     python_module: bool
     sources: list[str]
     include_paths: list[str]
@@ -43,10 +45,19 @@ class BuildSpec:
     with_cuda: bool
     archs: list[str]
     inputs: dict[str, Any] = field(default_factory=dict)
+    project_files: list[str] = field(default_factory=list)  # sources and the headers they include
+    digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
+    reason: str | None = None  # why this build happens, when the caller knows
 
 
-def _say(message: str) -> None:
-    print(f"opbuilder: {message}", file=sys.stderr, flush=True)
+_SAY_LOCK = threading.Lock()
+
+
+def say(message: str) -> None:
+    """One whole line on stderr: lines of builds running at once never mix."""
+    with _SAY_LOCK:
+        sys.stderr.write(f"opbuilder: {message}\n")
+        sys.stderr.flush()
 
 
 def build_and_load(spec: BuildSpec) -> Any:
@@ -63,7 +74,44 @@ def build_and_load(spec: BuildSpec) -> Any:
     artifact, manifest, why = cache.check_build(build_dir)
     if artifact is None or manifest is None:
         raise BuildError(f"opbuilder: the build of {spec.op} in {build_dir} is unusable: {why}")
-    return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+    try:
+        return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+    except (OSError, ImportError) as exc:
+        raise BuildError(_load_failure(spec, artifact, exc)) from exc
+
+
+_UNDEFINED = re.compile(r"undefined symbol: (\S+)")
+
+
+def _load_failure(spec: BuildSpec, artifact: Path, exc: BaseException) -> str:
+    """Why a library that compiled and linked does not load, with C++ names as written in the source."""
+    text = str(exc)
+    chain = [text]
+    cause: BaseException | None = exc
+    while cause is not None and len(chain) < 5:  # torch.ops.load_library wraps the loader's own error
+        cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            chain.append(str(cause))
+    missing = _UNDEFINED.search(" ".join(chain))
+    if missing:
+        symbol = _demangle(missing.group(1))
+        return (
+            f"opbuilder: op {spec.op!r} compiled, but its library does not load: it uses {symbol}, which no "
+            f"source of the op and no library it links defines (declared but not defined? a source missing "
+            f"from sources()?). Library: {artifact}"
+        )
+    return f"opbuilder: op {spec.op!r} compiled, but its library does not load: {text}"
+
+
+def _demangle(symbol: str) -> str:
+    tool = shutil.which("c++filt")
+    if tool is None:
+        return symbol
+    try:
+        out = subprocess.run([tool, symbol], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return symbol
+    return out.stdout.strip() or symbol
 
 
 def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
@@ -87,7 +135,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
             lock.acquire(timeout=0)
             waited = False
         except Timeout:
-            _say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
+            say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
             lock.acquire()
             waited = True
     except Timeout:
@@ -117,26 +165,35 @@ def _good_build(slot: cache.Slot, reject_build_id: str | None) -> bool:
 
 
 def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
+    from filelock import FileLock
+
     cache.remove_stray_tmp_dirs(slot)
+    targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
+    say(f"building {spec.op} ({targets}): {spec.reason or _reason(spec, slot)}")
+    started = time.time()
+    work = ninja_build.work_dir(spec.op, spec.inputs)
     tmp_dir = slot.new_tmp_dir()
     try:
-        targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
-        _say(f"building {spec.op} ({targets}) on first use into {slot.path}")
-        started = time.time()
-        ok, log_text = _run_worker(spec, tmp_dir)
+        with FileLock(str(work) + ".lock"):
+            try:
+                result = ninja_build.build(spec, say)
+            except ninja_build.CompileFailed as failed:
+                log_text = failed.args[0]
+                full = _DISK_FULL.search(log_text)
+                if full:
+                    raise CacheError(cache.full_message(slot.op_dir, full.group(0))) from None
+                message = _failure_message(spec, log_text)
+                log_path = cache.record_failure(slot, message, log_text)
+                raise BuildError(f"{message}\nfull log: {log_path}") from None
+            except BuildError as exc:
+                cache.record_failure(slot, str(exc), "")
+                raise
+            if not result.artifact.is_file():
+                raise BuildError(f"opbuilder: the build of {spec.op} finished without producing {result.artifact.name}")
+            artifact = tmp_dir / f"{spec.name}_{spec.key[:12]}.so"
+            shutil.copy2(result.artifact, artifact)
+        (tmp_dir / cache.LOG).write_text(result.log)
         seconds = time.time() - started
-        if not ok:
-            full = _DISK_FULL.search(log_text)
-            if full:
-                raise CacheError(cache.full_message(slot.op_dir, full.group(0)))
-            message = _failure_message(spec, log_text)
-            log_path = cache.record_failure(slot, message, log_text)
-            raise BuildError(f"{message}\nfull log: {log_path}")
-        artifact = tmp_dir / f"{spec.name}.so"
-        if not artifact.is_file():
-            raise BuildError(f"opbuilder: the build of {spec.op} finished without producing {artifact.name}")
-        for leftover in list(tmp_dir.glob("*.o")) + list(tmp_dir.glob("*.spec.json")):
-            leftover.unlink()
         manifest = {
             "op": spec.op,
             "key": spec.key,
@@ -146,6 +203,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "build_started": started,
             "build_seconds": round(seconds, 2),
+            "compiled": result.compiled,
             "build_id": uuid.uuid4().hex,
             "log": cache.LOG,
             "inputs": spec.inputs,
@@ -157,43 +215,37 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise CacheError(cache.full_message(slot.op_dir, os.strerror(exc.errno))) from exc
             raise
-        _say(f"built {spec.op} in {seconds:.1f} s")
+        say(f"built {spec.op} in {seconds:.1f} s ({len(result.compiled)} of {result.total} files compiled)")
         return published
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def _run_worker(spec: BuildSpec, tmp_dir: Path) -> tuple[bool, str]:
-    spec_path = tmp_dir / f"{spec.name}.spec.json"
-    payload = {**asdict(spec), "build_dir": str(tmp_dir), "parent_pid": os.getpid()}
-    spec_path.write_text(json.dumps(payload))
-    extra = {} if env.max_jobs() is None else {"MAX_JOBS": str(env.max_jobs())}
-    log_path = tmp_dir / cache.LOG
-    show = env.verbose()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "opbuilder._worker", str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env.subprocess_env(extra),
-            text=True,
-            errors="replace",
-        )
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if show:
-                    sys.stderr.write(line)
-            code = proc.wait()
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    return code == 0, log_path.read_text(errors="replace")
+def _reason(spec: BuildSpec, slot: cache.Slot) -> str:
+    """Why this key is being built: what differs from the newest build of the op in the cache."""
+    newest: dict | None = None
+    newest_time = -1.0
+    for manifest_path in slot.op_dir.glob(f"*/{cache.MANIFEST}"):
+        manifest = cache.read_manifest(manifest_path.parent)
+        when = manifest.get("build_started") if manifest else None
+        if manifest and isinstance(manifest.get("inputs"), dict) and isinstance(when, (int, float)) and when > newest_time:
+            newest, newest_time = manifest["inputs"], float(when)
+    if newest is None:
+        return "first build here"
+    ours = spec.inputs
+    files_a, files_b = newest.get("files") or {}, ours.get("files") or {}
+    changed = sorted(n for n in set(files_a) | set(files_b) if files_a.get(n) != files_b.get(n))
+    if changed:
+        more = f" and {len(changed) - 2} more" if len(changed) > 2 else ""
+        return ", ".join(os.path.basename(n) for n in changed[:2]) + more + " changed"
+    for name, label in (("abi", "torch ABI"), ("torch", "torch"), ("torch_cuda", "torch's CUDA"), ("python", "Python")):
+        if newest.get(name) != ours.get(name):
+            return f"{label} changed ({newest.get(name)} -> {ours.get(name)})"
+    if any(newest.get(name) != ours.get(name) for name in ("cxx", "nvcc", "nvcc_host")):
+        return "the compiler changed"
+    if any(newest.get(name) != ours.get(name) for name in ("cxx_args", "nvcc_args", "ldflags", "cuda_archs")):
+        return "flags or CUDA archs changed"
+    return "another configuration of this op"
 
 
 _DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded|File too large|File size limit exceeded")

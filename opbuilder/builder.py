@@ -11,15 +11,17 @@ import os
 import sys
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opbuilder import env, fingerprint, loader, toolchain
-from opbuilder.errors import IncompatibleOpError
+from opbuilder.errors import BuildError, IncompatibleOpError
 
 if TYPE_CHECKING:
     from opbuilder.build import BuildSpec
 
 log = logging.getLogger("opbuilder")
+T = TypeVar("T")
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 #: Public headers for every op: ``#include <opbuilder/library.h>``.
@@ -31,6 +33,15 @@ KERNELS_DIR = next((p for p in (PACKAGE_DIR / "kernels", PACKAGE_DIR.parent / "k
 PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 
 CUDA_SUFFIXES = (".cu",)
+
+# What marks a source as written on the stable ABI, and what ties it to one torch build.
+_STABLE_MARKERS = (b"opbuilder/stable.h", b"torch/csrc/stable/")
+_CLASSIC_MARKERS = (b"torch/extension.h", b"torch/library.h", b"<ATen/", b"<c10/core", b"PYBIND11_MODULE",
+                    b"opbuilder/binding.h")
+
+# OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
+_DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
+_DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
 
 
 class OpBuilder:
@@ -49,6 +60,10 @@ class OpBuilder:
     CUDA_LIBRARIES: tuple[str, ...] = ()
     #: True for a ``PYBIND11_MODULE`` binding, False for ``TORCH_LIBRARY``; None: detect from the sources.
     PYTHON_MODULE: bool | None = None
+    #: "stable" (LibTorch stable ABI: one binary for torch 2.10 and later, keyed by the ABI target),
+    #: "classic" (ATen, ``torch/library.h``, pybind11: keyed by the exact torch); None: detect from the
+    #: sources (stable when they include ``<opbuilder/stable.h>`` or ``torch/csrc/stable/`` and nothing classic).
+    ABI: str | None = None
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.NAME
@@ -166,10 +181,36 @@ class OpBuilder:
 
     def final_cxx_args(self) -> list[str]:
         args = self._composed(OpBuilder.cxx_args(self), self.cxx_args())
-        return args + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
+        return args + self._abi_flags() + _DEBUG_CXX.get(env.debug(), []) + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
 
     def final_nvcc_args(self) -> list[str]:
-        return self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
+        args = self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
+        return args + self._abi_flags() + _DEBUG_NVCC.get(env.debug(), [])
+
+    def _abi_flags(self) -> list[str]:
+        return toolchain.stable_abi_flags() if self.abi() == "stable" else []
+
+    def abi(self) -> str:
+        """"stable" or "classic": how the op's binary depends on torch (see ``ABI``)."""
+        if self.ABI is not None:
+            if self.ABI not in ("stable", "classic"):
+                raise ValueError(f"{type(self).__name__}.ABI must be 'stable', 'classic' or None, got {self.ABI!r}")
+            return self.ABI
+        return self._detected_abi
+
+    @cached_property
+    def _detected_abi(self) -> str:
+        texts = []
+        for path in fingerprint.project_files(self.all_sources(), self._include_dirs()):
+            if path.is_relative_to(INCLUDE_DIR):  # opbuilder's own headers serve both kinds
+                continue
+            try:
+                texts.append(path.read_bytes())
+            except OSError:
+                continue
+        stable = any(marker in text for text in texts for marker in _STABLE_MARKERS)
+        classic = any(marker in text for text in texts for marker in _CLASSIC_MARKERS)
+        return "stable" if stable and not classic else "classic"
 
     def final_ldflags(self) -> list[str]:
         return self._composed(OpBuilder.extra_ldflags(self), self.extra_ldflags())
@@ -195,7 +236,8 @@ class OpBuilder:
         cxx_args = self.final_cxx_args()
         cxx = toolchain.cxx_path()
         nvcc = toolchain.nvcc_path() if with_cuda else None
-        return {
+        host = toolchain.nvcc_host_path() if with_cuda else None
+        inputs = {
             "op": self.name,
             "builder_version": self.VERSION,
             "files": self.file_digests(with_cuda),
@@ -203,12 +245,20 @@ class OpBuilder:
             "nvcc_args": self.final_nvcc_args() if with_cuda else [],
             "ldflags": self.final_ldflags(),
             "python_module": self.is_python_module(),
-            **toolchain.torch_environment(),
+            **toolchain.abi_environment(self.abi() == "stable"),
             "cxx": toolchain.compiler_identity(cxx) if cxx else None,
             "nvcc": toolchain.compiler_identity(nvcc) if nvcc else None,
+            "nvcc_host": toolchain.compiler_identity(host) if host else None,
+            "cuda_home": toolchain.cuda_home() if with_cuda else None,
             "cuda_archs": self.cuda_archs() if with_cuda else [],
             "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in cxx_args) else None,
         }
+        # Headers the compiler read last time that no include path predicts (``#include MACRO``, CPATH):
+        # their contents are part of the key too (see ``opbuilder.compile``).
+        extra = fingerprint.discovered_files(self.name)
+        if extra:
+            inputs["discovered"] = fingerprint.digest_files([Path(p) for p in extra], [])
+        return inputs
 
     @cached_property
     def key(self) -> str:
@@ -223,22 +273,29 @@ class OpBuilder:
 
         inputs = self.key_inputs()
         with_cuda = bool(inputs["nvcc_args"])
-        ns_flag = f"-DOPB_NAMESPACE={self.namespace}"
+        sources = self.built_sources(with_cuda)
         return build.BuildSpec(
             op=self.name,
             key=self.key,
-            name=f"{self.name}_{self.key[:12]}",
+            name=self.name,
             namespace=self.namespace,
             python_module=self.is_python_module(),
-            sources=[str(p) for p in self.built_sources(with_cuda)],
+            sources=[str(p) for p in sources],
             include_paths=[str(p) for p in self._include_dirs()],
-            cxx_args=inputs["cxx_args"] + [ns_flag],
-            nvcc_args=(inputs["nvcc_args"] + [ns_flag]) if with_cuda else [],
+            cxx_args=inputs["cxx_args"],
+            nvcc_args=inputs["nvcc_args"] if with_cuda else [],
             ldflags=inputs["ldflags"],
             with_cuda=with_cuda,
             archs=self.cuda_archs() if with_cuda else [],
             inputs=inputs,
+            project_files=[str(p) for p in fingerprint.project_files(sources, self._include_dirs())],
+            digest_roots=[str(self.source_root()), str(INCLUDE_DIR)],
         )
+
+    def refresh(self) -> None:
+        """Forget the key worked out so far: the next ``key`` reads the files again."""
+        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi"):
+            self.__dict__.pop(name, None)
 
     def load(self, verbose: bool = False) -> Any:
         """The op, compiled on first use: a ``torch.ops`` namespace for ``TORCH_LIBRARY`` builds,
@@ -265,7 +322,24 @@ class OpBuilder:
             self.is_compatible(verbose=True)
         from opbuilder import build
 
-        return build.build_and_load(self.build_spec())
+        return self.with_current_key(lambda spec: build.build_and_load(spec))
+
+    def with_current_key(self, action: Callable[[BuildSpec], T]) -> T:
+        """``action(self.build_spec())``, again with a new key when the build finds that the files
+        changed after the key was computed (saved during the build) or that the compiler read headers
+        the key did not cover. Raises what ``action`` raises."""
+        from opbuilder import build
+
+        for attempt in range(3):
+            try:
+                return action(self.build_spec())
+            except build.SourcesChanged as changed:
+                if attempt == 2:
+                    raise BuildError(f"opbuilder: the sources of {self.name!r} kept changing while it was built "
+                                     f"({changed}); nothing was published") from None
+                build.say(f"{self.name}: {changed}; keying it again")
+                self.refresh()
+        raise AssertionError("unreachable")
 
     def builder(self) -> Any:
         """A setuptools extension that compiles this op at install time, into

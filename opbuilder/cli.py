@@ -7,13 +7,14 @@ Exit codes: 0 success, 1 a build or an op failed, 2 a usage error.
 from __future__ import annotations
 
 import argparse
-import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 USAGE_ERROR = 2
 _KEY = re.compile(r"[0-9a-f]{20}")  # fingerprint.cache_key's form
+_WORK = re.compile(r"[0-9a-f]{16}")  # compile.work_dir's form
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                       help="import MODULE first: where a user op's definition and implementations are registered")
 
+    commands = sub.add_parser(
+        "compile-commands", help="write compile_commands.json for clangd and IDEs (the exact compiler commands)")
+    commands.add_argument("ops", nargs="*", metavar="OP",
+                          help="built-in ops, or your own builder as module:Class (default: every built-in op)")
+    commands.add_argument("--output", "-o", type=Path, default=Path("compile_commands.json"),
+                          help="file to write (default: ./compile_commands.json)")
+
     sub.add_parser("bench", help="benchmark the ops (arguments go to `opbuilder bench --help`)", add_help=False)
     return parser
 
@@ -66,14 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # every argument, --help included, belongs to the bench tool
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
-    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new, "check": _check, "tune": _tune}
+    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new,
+                "compile-commands": _compile_commands, "check": _check, "tune": _tune}
     from opbuilder.errors import OpBuilderError, UnknownOpError
 
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return handlers[args.command](args)
+    except KeyboardInterrupt:
+        _err(f"opbuilder {args.command}: interrupted; running compilers were stopped and nothing half-built was published")
+        return 130
     except (OpBuilderError, UnknownOpError, ImportError, ValueError) as exc:  # an unusable cache, a bad TORCH_CUDA_ARCH_LIST, ...
         _err(f"opbuilder {args.command}: {exc}")
         return 1
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends a build as Ctrl-C does: compilers stopped, nothing published
 
 
 def _err(message: str) -> None:
@@ -140,13 +157,6 @@ def _tune(args: argparse.Namespace) -> int:
 # ---- build -------------------------------------------------------------------------------------
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _build(args: argparse.Namespace) -> int:
     from opbuilder import registry
 
@@ -180,7 +190,8 @@ def _build(args: argparse.Namespace) -> int:
         else:
             print(f"{name}: skipped: " + "; ".join(reasons), flush=True)
     if todo:
-        failed += _build_all(todo, args.jobs or max(1, min(len(todo), _cores() // 2)))
+        # All at once by default: the builds share the cores (each compiles with its share of them).
+        failed += _build_all(todo, args.jobs or len(todo))
     if failed:
         _err(f"opbuilder build: failed: {', '.join(failed)}")
         return 1
@@ -190,19 +201,39 @@ def _build(args: argparse.Namespace) -> int:
 def _build_all(builders: list, jobs: int) -> list[str]:
     """Build into the cache, ``jobs`` ops at a time, one line per op as it ends; returns the ops
     that failed, after printing their compiler errors."""
-    from opbuilder.warm import prepare_each
+    from opbuilder.build import say
+    from opbuilder.warm import BUILT, prepare_each
 
-    if len(builders) > 1:
-        print(f"building {len(builders)} ops, {min(jobs, len(builders))} at a time", flush=True)
     failed = []
-    for done, (name, outcome) in enumerate(prepare_each(builders, jobs), 1):
+    for name, outcome in prepare_each(builders, jobs):
         if isinstance(outcome, BaseException):
-            print(f"[{done}/{len(builders)}] {name}: FAILED", flush=True)
-            _err(str(outcome))
+            say(f"{name}: FAILED\n{outcome}")
             failed.append(name)
-        else:
-            print(f"[{done}/{len(builders)}] {name}: {outcome}", flush=True)
+        elif outcome != BUILT:  # a build already said what it did
+            say(f"{name}: {outcome}")
     return failed
+
+
+# ---- compile-commands --------------------------------------------------------------------------
+
+
+def _compile_commands(args: argparse.Namespace) -> int:
+    import importlib
+    import json
+
+    from opbuilder import compile as ninja_build, registry
+
+    entries = []
+    for name in args.ops or registry.names():
+        if ":" in name:  # the user's own builder, importable from here
+            module, _, cls = name.partition(":")
+            builder = getattr(importlib.import_module(module), cls)()
+        else:
+            builder = registry.get_builder(name)
+        entries += ninja_build.compile_commands(builder.build_spec())
+    args.output.write_text(json.dumps(entries, indent=1) + "\n")
+    print(f"wrote {args.output} ({len(entries)} files)")
+    return 0
 
 
 # ---- clean -------------------------------------------------------------------------------------
@@ -265,6 +296,8 @@ def _clean(args: argparse.Namespace) -> int:
             removed += 1
             freed += size
             print(f"{op}/{key}: removed ({report.human(size)})" + (f": {why}" if why else ""))
+        if not args.stale:
+            freed += _clean_work(op)
     summary = f"removed {removed} build(s), {report.human(freed)}"
     if args.stale:
         summary += f"; kept {kept} current"
@@ -272,6 +305,31 @@ def _clean(args: argparse.Namespace) -> int:
         summary += f"; skipped {busy} being built"
     print(summary)
     return 0
+
+
+def _clean_work(op: str) -> int:
+    """Remove the op's object folders (``opbuilder.compile``) that no build is using; returns bytes freed."""
+    import shutil
+
+    from filelock import FileLock, Timeout
+
+    from opbuilder import compile as ninja_build, env, report
+
+    freed = 0
+    for work in sorted((env.cache_root() / ninja_build.WORK_ROOT).glob(f"{op}-*")):
+        if not work.is_dir() or not _WORK.fullmatch(work.name[len(op) + 1:]):
+            continue
+        lock = FileLock(str(work) + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
+            freed += report.tree_size(work)
+            shutil.rmtree(work, ignore_errors=True)
+        finally:
+            lock.release()
+    return freed
 
 
 # ---- new ---------------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ VARIABLES: dict[str, str] = {
     "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
     "CUDA_HOME": "CUDA toolkit root (else CUDA_PATH, else the folder of nvcc on PATH, else /usr/local/cuda).",
     "CXX": "Host C++ compiler (default c++), as torch.utils.cpp_extension uses it.",
+    "CC": "nvcc's host compiler (-ccbin), as torch.utils.cpp_extension uses it; part of the cache key.",
+    "PYTORCH_NVCC": "The nvcc command torch.utils.cpp_extension runs instead of $CUDA_HOME/bin/nvcc; part of the key.",
+    "OPB_DEBUG": "1 builds with debug info (host -g, device -lineinfo) into its own key; 'device' adds nvcc -G.",
 }
 
 
@@ -82,6 +85,26 @@ def cuda_arch_list() -> str | None:
 
 def cxx_compiler() -> str:
     return _get("CXX") or "c++"
+
+
+def debug() -> str | None:
+    """None, "host" (OPB_DEBUG=1: -g, -lineinfo) or "device" (OPB_DEBUG=device: nvcc -G as well)."""
+    raw = _get("OPB_DEBUG")
+    if raw is None or not _flag("OPB_DEBUG"):
+        return None
+    if raw.lower() in ("device", "g", "-g"):
+        return "device"
+    if raw.lower() in ("1", "true", "yes", "on", "host"):
+        return "host"
+    raise ValueError(f"OPB_DEBUG must be 1 (debug info) or 'device' (also nvcc -G), got {raw!r}")
+
+
+def nvcc_host_compiler() -> str | None:
+    return _get("CC")
+
+
+def pytorch_nvcc() -> str | None:
+    return _get("PYTORCH_NVCC")
 
 
 def cuda_home_hint() -> str | None:

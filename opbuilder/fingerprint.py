@@ -23,15 +23,18 @@ def project_files(sources: list[Path], include_paths: list[Path]) -> list[Path]:
     A quoted include is looked up beside the including file, then in the include paths; an angle
     include only in the include paths (so ``<torch/...>`` and ``<vector>`` are not followed).
     """
-    # Plain strings and os.path: this runs on every warm load.
+    # Plain strings and os.path: this runs on every warm load. A file is visited once (by its real
+    # path), but its own quoted includes are looked up beside the path it was reached by, as the
+    # compiler does for a header reached through a symbolic link.
     roots = [str(p) for p in include_paths]
-    seen: dict[str, None] = {}
-    stack = [os.path.realpath(p) for p in sources]
+    seen: dict[str, str] = {}
+    stack = [os.path.abspath(p) for p in sources]
     while stack:
         path = stack.pop()
-        if path in seen:
+        real = os.path.realpath(path)
+        if real in seen:
             continue
-        seen[path] = None
+        seen[real] = path
         try:
             with open(path, "rb") as fh:
                 text = fh.read()
@@ -40,28 +43,55 @@ def project_files(sources: list[Path], include_paths: list[Path]) -> list[Path]:
         for quote, name in _INCLUDE.findall(text):
             rel = name.decode("utf-8", "replace")
             for root in ([os.path.dirname(path)] if quote == b'"' else []) + roots:
-                candidate = os.path.join(root, rel)
+                candidate = os.path.normpath(os.path.join(root, rel))
                 if os.path.isfile(candidate):
-                    stack.append(os.path.realpath(candidate))
+                    stack.append(candidate)
                     break
-    return [Path(p) for p in sorted(seen)]
+    return [Path(p) for p in sorted(seen.values())]
+
+
+#: How ``digest_name`` labels the roots builders pass: the op's source root, then opbuilder's headers.
+ROOT_LABELS = ("op", "opbuilder")
+
+
+def digest_name(path: Path, roots: list[Path]) -> str:
+    """``path`` relative to the first root holding it (prefixed by that root's label), else absolute:
+    so moving or renaming a project, or reinstalling the package elsewhere, keeps its keys."""
+    for label, root in zip(ROOT_LABELS, roots):
+        if path.is_relative_to(root):
+            return f"{label}/{path.relative_to(root)}"
+    return str(path)
 
 
 def digest_files(files: list[Path], roots: list[Path]) -> dict[str, str]:
-    """File name -> sha256. Names are relative to the first root holding the file, so moving a
-    project or reinstalling the same package elsewhere keeps its keys."""
+    """File name (``digest_name``) -> sha256, or "missing"."""
     out = {}
     for path in files:
-        name = str(path)
-        for root in roots:
-            if path.is_relative_to(root):
-                name = f"{root.name}/{path.relative_to(root)}"
-                break
         try:
-            out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+            out[digest_name(path, roots)] = hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError:
-            out[name] = "missing"
+            out[digest_name(path, roots)] = "missing"
     return out
+
+
+DISCOVERED = "discovered.json"
+
+
+def discovered_files(op: str) -> list[str]:
+    """Headers that an earlier build of ``op`` read although no include path predicted them
+    (``#include MACRO``, CPATH, a header beside a symbolic link's target): their contents join the key.
+
+    Kept in ``<cache root>/<op>/discovered.json`` by ``opbuilder.compile``; one small read, or none.
+    """
+    from opbuilder import env
+
+    try:
+        with open(env.cache_root() / op / DISCOVERED, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    files = data.get("files") if isinstance(data, dict) else None
+    return sorted(f for f in files if isinstance(f, str)) if isinstance(files, list) else []
 
 
 def cache_key(inputs: dict[str, object]) -> str:

@@ -127,6 +127,8 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
     inputs = manifest.get("inputs")
     if not isinstance(inputs, dict):
         return "its manifest records no key inputs"
+    if str(inputs.get("abi", "")).startswith("stable"):  # serves every torch of its ABI range
+        here = toolchain.abi_environment(True)
     for name, value in here.items():
         if inputs.get(name) != value:
             return f"built for {name} {inputs.get(name)}, this environment has {value}"

@@ -40,6 +40,10 @@ def cuda_home() -> str | None:
 
 
 def nvcc_path() -> str | None:
+    """The nvcc torch.utils.cpp_extension runs: PYTORCH_NVCC when set, else <CUDA home>/bin/nvcc."""
+    override = env.pytorch_nvcc()
+    if override is not None:
+        return which(override) if not os.path.isabs(override) else (override if os.path.isfile(override) else None)
     home = cuda_home()
     if home is None:
         return None
@@ -224,6 +228,32 @@ def find_cuda_library(name: str) -> CudaLibrary | None:
     return None
 
 
+#: The oldest torch a stable-ABI op runs on: its binary serves this version and every later one.
+STABLE_ABI_TARGET = (2, 10)
+
+
+def stable_abi_flags() -> list[str]:
+    """Flags of a stable-ABI build: the headers expose only what torch 2.10 already had."""
+    major, minor = STABLE_ABI_TARGET
+    return ["-DOPB_STABLE_ABI", f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"]
+
+
+def abi_environment(stable: bool) -> dict[str, object]:
+    """What a build's binary depends on in torch and Python.
+
+    A classic op (ATen, ``torch/library.h``, pybind11) depends on the exact torch build and Python ABI.
+    A stable-ABI op calls only torch's stable C shim and no Python API: it depends on the ABI target
+    and on torch's CUDA major version (the CUDA runtime it shares with torch), so a torch upgrade
+    within the range reuses it.
+    """
+    if not stable:
+        return {"abi": "classic", **torch_environment()}
+    import torch
+
+    cuda = torch.version.cuda
+    return {"abi": "stable-{}.{}".format(*STABLE_ABI_TARGET), "torch_cuda": cuda.split(".")[0] if cuda else None}
+
+
 def torch_environment() -> dict[str, object]:
     """The torch and Python facts a build depends on, as the cache key and prebuilt records hold them."""
     import importlib.machinery
@@ -252,6 +282,12 @@ def cxx_standard() -> str:
 
 def cxx_path() -> str | None:
     return which(env.cxx_compiler())
+
+
+def nvcc_host_path() -> str | None:
+    """nvcc's host compiler when CC names one (cpp_extension passes it as -ccbin), else None."""
+    cc = env.nvcc_host_compiler()
+    return which(cc) if cc else None
 
 
 def parse_arch_list(spec: str) -> list[str]:

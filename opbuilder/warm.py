@@ -7,25 +7,27 @@ another as the model first reaches them. ``opbuilder build`` uses the same code.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from opbuilder import build, cache, prebuilt
+from opbuilder import build, cache, compile, prebuilt
 from opbuilder.builder import OpBuilder
 from opbuilder.registry import get_builder, names as builtin_names
 
 
 def _ensure(builder: OpBuilder, spec: build.BuildSpec | None) -> str:
+    """What was done; a build prints its own lines (``opbuilder.build``), so it returns "built"."""
     if spec is None:
         return f"a prebuilt library fits this machine, nothing to build ({prebuilt.find(builder)[0]})"
     slot = cache.Slot(spec.op, spec.key)
     if cache.check_build(slot.path)[0] is not None:
         return f"already in the cache ({slot.path})"
-    started = time.time()
-    path = build.ensure_built(spec)
-    targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
-    return f"built in {time.time() - started:.1f} s ({targets}) {path}"
+    builder.with_current_key(build.ensure_built)
+    return BUILT
+
+
+#: What ``prepare_each`` yields for an op it compiled (the build itself printed its lines).
+BUILT = "built"
 
 
 def prepare_each(builders: list[OpBuilder], jobs: int | None = None) -> Iterator[tuple[str, str | BaseException]]:
@@ -39,13 +41,23 @@ def prepare_each(builders: list[OpBuilder], jobs: int | None = None) -> Iterator
     plans = [(b, None if prebuilt.find(b)[0] is not None else b.build_spec()) for b in builders]
     if not plans:
         return
-    with ThreadPoolExecutor(max_workers=jobs or len(plans)) as pool:
+    pool = ThreadPoolExecutor(max_workers=jobs or len(plans))
+    try:
         futures = {pool.submit(_ensure, b, spec): b.name for b, spec in plans}
         for future in as_completed(futures):
             try:
                 yield futures[future], future.result()
             except Exception as exc:  # handed to the caller, which reports or raises it
                 yield futures[future], exc
+    except BaseException:
+        # Ctrl-C, SIGTERM made an exception, or the caller stopped early: start nothing new, end the
+        # running compilers; nothing half-built is published.
+        pool.shutdown(wait=False, cancel_futures=True)
+        compile.cancel_all()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        compile.reset_cancel()
 
 
 def prepare(ops: Iterable[str] | None = None, jobs: int | None = None) -> dict[str, str]:
