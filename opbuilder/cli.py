@@ -117,7 +117,7 @@ def _report(args: argparse.Namespace) -> int:
 def _import(modules: list[str]) -> None:
     import importlib
 
-    sys.path.insert(0, os.getcwd())  # a module of the project the command runs in
+    sys.path.insert(0, str(Path.cwd()))  # a module of the project the command runs in
     for name in modules:
         importlib.import_module(name)
 
