@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,6 +83,8 @@ def _bucket(x: Any) -> tuple[int, bool]:
     return x.numel().bit_length(), (x.shape[-1] % 8 == 0) if x.dim() else True
 
 
+_LOCK = threading.RLock()
+
 #: Built-in op -> its router, while the op is routed (or not yet resolved). The public functions read it.
 ROUTES: dict[str, Router] = {name: Router(name) for name in BUILDERS}
 _ROUTERS: dict[str, Router] = dict(ROUTES)
@@ -107,6 +110,11 @@ def resolve(op: str) -> bool:
     that cannot load gives way to the next; one FallbackWarning says which and why. Raises the load error
     when ``OPB_FALLBACK=0``, or when nothing at all can run.
     """
+    with _LOCK:  # two threads' first calls: one resolves, one warning
+        return _resolve(op)
+
+
+def _resolve(op: str) -> bool:
     from opbuilder import implementations, trace
 
     r = _ROUTERS[op]
@@ -158,7 +166,7 @@ def resolve(op: str) -> bool:
 
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
-        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=2)
+        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
     r.picks, r.default_name, r.default = picks, default_name, default
     r.table = {where: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
                for where, name in picks.items()}

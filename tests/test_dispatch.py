@@ -168,3 +168,27 @@ def test_cli_names_an_unknown_op(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["check", "no_such_op"]) == 1
     err = capsys.readouterr().err
     assert "no op definition named 'no_such_op'" in err and "fused_add_rmsnorm" in err
+
+
+def test_every_status_of_a_python_implementation(two_versions: str) -> None:
+    """Wrong shape, wrong dtype, an exception, and the edge workloads (one row, odd widths, empty)."""
+    from opbuilder import definitions, implementations
+
+    op = "twice_plus_one_statuses"
+    definitions.register(replace(definitions.get(two_versions), name=op))
+    bad = {
+        "transposed": lambda x: (x * 2 + 1).t(),
+        "float64": lambda x: x.double() * 2 + 1,
+        "raises": lambda x: (x.view(-1, 3) * 2 + 1).view(x.shape),  # fine only where rows x width divides by 3
+        "two outputs": lambda x: (x * 2 + 1, x),
+        "good": lambda x: torch.addcmul(torch.ones_like(x), x, torch.full_like(x, 2.0)),
+    }
+    for name, fn in bad.items():
+        implementations.register(op, implementations.python(name, fn))
+    status = {(r.implementation, r.workload): r.status for r in check.check(op)}
+    assert status["transposed", "8x64"] == "INCORRECT_SHAPE"
+    assert status["transposed", "empty"] == "INCORRECT_SHAPE"  # 0x64 against 64x0
+    assert status["float64", "7x111"] == "INCORRECT_DTYPE"
+    assert status["raises", "8x64"] == "RUNTIME_ERROR" and status["raises", "7x111"] == "PASSED"  # 777 = 3 x 259
+    assert status["two outputs", "one row"] == "INCORRECT_SHAPE"
+    assert all(status["good", w] == "PASSED" for w in ("8x64", "7x111", "4096x64", "one row", "odd widths", "empty"))
