@@ -119,9 +119,11 @@ def torch_compiled(fn: Callable[..., Any], name: str = "torch.compile") -> Imple
     state: dict[str, Callable[..., Any]] = {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if "fn" not in state:
-            import torch
+        import torch
 
+        if torch.compiler.is_compiling():  # inside a compiled caller, which compiles the reference itself
+            return fn(*args, **kwargs)
+        if "fn" not in state:
             state["fn"] = torch.compile(fn, dynamic=False)
         return state["fn"](*args, **kwargs)
 

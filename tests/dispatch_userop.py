@@ -72,7 +72,8 @@ def write(root: Path) -> Path:
         "userop_builders.py": BUILDERS,
         "v1.cpp": SOURCE.format(bug=""),
         "v2.cpp": SOURCE.format(bug=" + (width % 2 ? 0.25f : 0.0f)"),  # the bug: odd widths are off
-        "broken.cpp": SOURCE.format(bug="").replace("return y;", "return y  // a missing semicolon"),
+        # The first line fails (a fatal error, so the compiler stops at once rather than parsing ATen first).
+        "broken.cpp": '#include "not_written_yet.h"\n' + SOURCE.format(bug=""),
     }
     for name, text in files.items():
         path = root / name
