@@ -149,12 +149,6 @@ def get(name: str) -> Definition:
     return _DEFINITIONS[name]
 
 
-def known() -> list[str]:
-    from opbuilder.registry import BUILDERS
-
-    return list(dict.fromkeys(list(BUILDERS) + list(_DEFINITIONS)))
-
-
 # ---- the built-in ops, from the benchmark's specs --------------------------------------------------
 
 _ROWS = ("rows", "hidden")

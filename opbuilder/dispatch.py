@@ -33,6 +33,10 @@ from opbuilder.errors import FallbackWarning
 from opbuilder.registry import BUILDERS
 
 
+#: The name of ``apply``'s decorated function among the choices.
+FINAL = "apply's function"
+
+
 def _continue(*args: Any, **kwargs: Any) -> None:
     """A built-in op's own compiled path: the public function's body calls it."""
     return None
@@ -110,6 +114,9 @@ def resolve(op: str) -> bool:
     that cannot load gives way to the next; one FallbackWarning says which and why. Raises the load error
     when ``OPB_FALLBACK=0``, or when nothing at all can run.
     """
+    r = _ROUTERS[op]
+    if r.table is not None and not r.leave_later:  # every call after the first: no lock
+        return True
     with _LOCK:  # two threads' first calls: one resolves, one warning
         return _resolve(op)
 
@@ -139,17 +146,18 @@ def _resolve(op: str) -> bool:
             failed[name] = exc
             return False
 
-    def first_usable(skip: set[str] = frozenset()) -> tuple[str, Callable[..., Any]]:
+    def first_usable(skip: set[str] = frozenset()) -> tuple[str, Callable[..., Any]] | None:
         for name, impl in impls.items():
             if impl.fallback and name not in skip and usable(name):
                 return name, _continue if impl.in_body else impl.fn
-        if r.final is not None:
-            return "apply's function", r.final
+        return (FINAL, r.final) if r.final is not None else None
+
+    first = first_usable()
+    if first is None:
         if failed:
             raise next(iter(failed.values()))
         raise RuntimeError(f"{op}: no implementation is registered")
-
-    default_name, default = first_usable()
+    default_name, default = first
     data = trace.read(op, trace.key({n: i.key for n, i in impls.items()})) if impls else None
     checked = trace.read(op, trace.key({n: i.key for n, i in impls.items()}), "check") if impls else None
     picks: dict[Any, str] = {}
@@ -161,8 +169,8 @@ def _resolve(op: str) -> bool:
         for where, names in (trace.excluded(source) if source else {}).items():
             excluded.setdefault(where, set()).update(names)
     for where, names in excluded.items():
-        if where not in picks and default_name in names:
-            picks[where] = first_usable(names)[0]
+        if where not in picks and default_name in names and (other := first_usable(names)) is not None:
+            picks[where] = other[0]
 
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())

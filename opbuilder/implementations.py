@@ -142,10 +142,9 @@ _IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {}
 
 def register(op: str, implementation: Implementation) -> Implementation:
     """Add (or replace, by name) an implementation of ``op``; the first registered is the default."""
-    _IMPLEMENTATIONS.setdefault(op, {})
-    if not _IMPLEMENTATIONS[op] and not _builtin_added(op):
+    if not _builtin_added(op):
         _add_builtin(op)
-    _IMPLEMENTATIONS[op][implementation.name] = implementation
+    _IMPLEMENTATIONS.setdefault(op, {})[implementation.name] = implementation
     return implementation
 
 
@@ -189,11 +188,10 @@ def _add_builtin(op: str) -> None:
         with bypass(op):
             return public(*args, **kwargs)
 
-    table = _IMPLEMENTATIONS.setdefault(op, {})
     builtin = {
         "compiled": Implementation("compiled", "compiled", ours, lambda: get_builder(op).key,
                                    lambda: lazy.namespace_of(op) and None, in_body=True),
         "torch.compile": torch_compiled(ref),
         "reference": reference(ref),
     }
-    _IMPLEMENTATIONS[op] = {**builtin, **table}
+    _IMPLEMENTATIONS[op] = builtin
