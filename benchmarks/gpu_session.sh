@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does: install, cold builds, the whole test suite (the CUDA tests included),
-# the benchmark that writes RESULTS.md, and the load-time numbers.
-#   OUT=$OUT benchmarks/gpu_session.sh [tests] [bench]   (on the device tool; logs and results land in $OUT)
+# the benchmark that writes RESULTS.md, the load-time numbers, the build times, and the stable-ABI check.
+#   OUT=$OUT benchmarks/gpu_session.sh [tests] [bench] [buildspeed] [abi DIR]
+#   (on the device tool; logs and results land in $OUT). abi DIR: a folder holding a library built
+#   elsewhere (another torch) and its manifest.json, loaded and checked here against torch.relu.
 # Both by default. On the H100 machine the suite takes about 7.5 minutes and the benchmark about 3, so
 # within the device tool's 10 minutes a call, give each its own call.
 set -uo pipefail
@@ -32,10 +34,28 @@ for dev in ("cpu", "cuda"):
 PY
 $py -X faulthandler /tmp/opb_errors.py 2>&1 | tail -8
 
+steps="${*:-tests bench}"
+if [[ " $steps " == *" abi "* ]]; then
+abi_dir=$(echo " $steps " | sed -E 's/.* abi ([^ ]+) .*/\1/')
+step "a stable-ABI relu built with another torch ($abi_dir) loads and runs here"
+$py - "$abi_dir" <<'PY'
+import json, sys, pathlib, torch
+d = pathlib.Path(sys.argv[1]); m = json.loads((d / "manifest.json").read_text())
+torch.ops.load_library(str(d / m["artifact"]))
+ns = getattr(torch.ops, m["namespace"])
+x = torch.randn(1000, 37)
+print("built with abi", m["inputs"]["abi"], "by torch", m.get("built_with_torch"), "; running under torch", torch.__version__)
+print("relu equal to torch.relu:", torch.equal(ns.relu(x), torch.relu(x)), "; relu_mask ok:", torch.equal(ns.relu_mask(x)[0], torch.relu(x)))
+PY
+fi
+
 step "cold build of every op"
 /usr/bin/time -f "build --all: %e s" timeout 240 $py -m opbuilder build --all 2>&1 | tee "$out/build.log" | tail -12
 
-steps="${*:-tests bench}"
+if [[ " $steps " == *" buildspeed "* ]]; then
+step "build and edit-loop times beside cpp_extension.load"
+timeout 400 $py benchmarks/build_speed.py --cuda --repeat "${BUILD_REPEAT:-3}" --json "$out/build_speed.json" 2>&1 | tail -12
+fi
 if [[ " $steps " == *" tests "* ]]; then
 step "tests (all but the slow ones), 8 workers"
 timeout "${TEST_TIMEOUT:-540}" $py -m pytest tests -q -n 8 -m "not slow" -p no:cacheprovider -rfE ${PYTEST_K:+-k "$PYTEST_K"} \

@@ -128,21 +128,24 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
     cache.ensure_dir(slot.op_dir)
     cache.check_trusted(slot)
     cache.refuse_symlink(slot.lock_path)
-    lock = FileLock(str(slot.lock_path), timeout=env.lock_timeout())
+    lock = FileLock(str(slot.lock_path))
     waited_since = time.time()
-    try:
+    deadline = waited_since + env.lock_timeout()
+    waited = False
+    while True:
         try:
-            lock.acquire(timeout=0)
-            waited = False
+            lock.acquire(timeout=0 if not waited else max(0.0, min(0.5, deadline - time.time())))
+            break
         except Timeout:
-            say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
-            lock.acquire()
-            waited = True
-    except Timeout:
-        raise CacheLockTimeout(
-            f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for the build lock {slot.lock_path} "
-            f"of op {spec.op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
-        ) from None
+            if not waited:
+                say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
+                waited = True
+            ninja_build.raise_if_cancelled()  # Ctrl-C while waiting: stop now
+            if time.time() >= deadline:
+                raise CacheLockTimeout(
+                    f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for the build lock {slot.lock_path} "
+                    f"of op {spec.op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
+                ) from None
     try:
         if _good_build(slot, reject_build_id):
             return slot.path
@@ -204,6 +207,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
             "build_started": started,
             "build_seconds": round(seconds, 2),
             "compiled": result.compiled,
+            "built_with_torch": _torch_version(),  # what built it (a stable-ABI op also serves later ones)
             "build_id": uuid.uuid4().hex,
             "log": cache.LOG,
             "inputs": spec.inputs,
@@ -219,6 +223,12 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
         return published
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _reason(spec: BuildSpec, slot: cache.Slot) -> str:

@@ -144,6 +144,11 @@ def reset_cancel() -> None:
     _CANCELLED.clear()
 
 
+def raise_if_cancelled() -> None:
+    if _CANCELLED.is_set():
+        raise KeyboardInterrupt
+
+
 def _end_session(sid: int) -> None:
     """SIGKILL every process of the session ``sid`` (ninja gives each compiler a process group of its
     own, so ending one group is not enough; the session holds them all)."""
@@ -350,8 +355,7 @@ def _killed_message(spec, signum: int, log: str) -> str:
 
 
 def _run_ninja(spec, work: Path, jobs: int, say) -> tuple[int, str, list[str], int]:
-    if _CANCELLED.is_set():
-        raise KeyboardInterrupt
+    raise_if_cancelled()
     cmd = [_ninja(), "-C", str(work), "-j", str(jobs)] + (["-v"] if env.verbose() else [])
     run_env = env.subprocess_env({"NINJA_STATUS": "[%f/%t] "})
     proc = subprocess.Popen(

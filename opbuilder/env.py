@@ -14,7 +14,7 @@ VARIABLES: dict[str, str] = {
     "OPB_CACHE_DIR": "Root of the JIT cache (default: $XDG_CACHE_HOME/opbuilder, else ~/.cache/opbuilder).",
     "OPB_LOCK_TIMEOUT": "Seconds to wait for another process's build of the same op before failing (default 600).",
     "OPB_VERBOSE": "1 shows the compiler's output while building.",
-    "OPB_MAX_JOBS": "Parallel compile jobs inside one build (default: all cores).",
+    "OPB_MAX_JOBS": "Parallel compile jobs inside one build (default: the cores, shared among the builds running at once).",
     "OPB_CPU_ARCH": "Value for -march on CPU code (default 'native' for JIT builds; 'none' omits it).",
     "OPB_TRUST_SHARED_CACHE": "1 loads from a cache that other users own or can write to (a deliberately shared cache).",
     "OPB_FALLBACK": "0 makes an op that cannot be built or loaded here an error, instead of falling back to the next implementation (default 1).",

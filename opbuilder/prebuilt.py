@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 BUILD_COMMANDS = ("build", "build_ext", "bdist_wheel", "install", "develop", "editable_wheel")
 
 # Fields of the cache key that decide whether a library runs correctly in this process.
-_TORCH_FIELDS = ("torch", "torch_git", "torch_cuda", "cxx11_abi", "python", "soabi")
+_TORCH_FIELDS = ("abi", "torch", "torch_git", "torch_cuda", "cxx11_abi", "python", "soabi")
 _LABELS = {
+    "abi": "the torch ABI",
     "torch": "torch",
     "torch_git": "torch build (git)",
     "torch_cuda": "torch's CUDA",
@@ -81,7 +82,7 @@ def requirements(builder: OpBuilder) -> dict[str, Any]:
     is no nvcc), while the library loaded at run time is the one torch loads. Runs no compiler and
     writes nothing: a prebuilt op loads where the cache is read-only and no compiler is installed.
     """
-    here = toolchain.torch_environment()
+    here = toolchain.abi_environment(builder.abi() == "stable")
     return {
         **here,
         "op": builder.name,
@@ -127,7 +128,7 @@ def mismatch(record: dict[str, Any], builder: OpBuilder) -> str | None:
     if not isinstance(theirs, dict):
         return "its record has no 'requires' section (built by another opbuilder version)"
     ours = requirements(builder)
-    for name in (*_TORCH_FIELDS, "op", "builder_version", "python_module"):
+    for name in (*(f for f in _TORCH_FIELDS if f in ours), "op", "builder_version", "python_module"):
         if theirs.get(name) != ours[name]:
             return f"it was built for {_LABELS[name]} {theirs.get(name)}, this process has {ours[name]}"
     their_files = theirs.get("files") or {}
@@ -288,7 +289,8 @@ def write_manifest(builder: OpBuilder, artifact: Path, seconds: float) -> Path:
         "python_module": builder.is_python_module(),
         "with_cuda": with_cuda,
         "cuda_archs": builder.cuda_archs() if with_cuda else [],
-        "torch": inputs["torch"],
+        "abi": inputs["abi"],
+        "torch": toolchain.torch_environment()["torch"],  # what built it; a stable-ABI op serves later ones too
         "torch_cuda": inputs["torch_cuda"],
         "compilers": {"cxx": inputs["cxx"], "nvcc": inputs["nvcc"]},
         "ldflags": builder.final_ldflags(),

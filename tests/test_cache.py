@@ -144,12 +144,12 @@ def test_killed_build_leaves_no_poison(tmp_path: Path, fresh_cache: Path) -> Non
     proc = subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)
     op_dir = fresh_cache / "add_scale"
-    # Wait until the compiler is running on a temporary build folder, then kill the loader.
-    assert _wait_for(lambda: bool(_build_processes(op / "csrc", op_dir)), 120), "the build never started"
+    # Wait until the compiler is running in the cache (the op's work folder), then kill the loader.
+    assert _wait_for(lambda: bool(_build_processes(op / "csrc", fresh_cache)), 120), "the build never started"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    # The builder dies with its loader (parent-death signal) and ends its process group at once.
-    assert _wait_for(lambda: not _build_processes(op / "csrc", op_dir), 3), _build_processes(op / "csrc", op_dir)
+    # ninja dies with its loader (parent-death signal) and ends its compilers at once.
+    assert _wait_for(lambda: not _build_processes(op / "csrc", fresh_cache), 3), _build_processes(op / "csrc", fresh_cache)
     # A zero lock timeout proves the next load does not wait for the dead builder's lock.
     result = _load(op, OPB_LOCK_TIMEOUT="0")
     assert result.returncode == 0, result.stderr

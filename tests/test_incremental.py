@@ -6,7 +6,6 @@ publishes to tell which files were compiled.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ import torch
 
 import twofile
 from conftest import run_python
-from opbuilder import build, cache, compile as ninja_build, toolchain
+from opbuilder import cache, compile as ninja_build, toolchain
 from opbuilder.errors import BuildError
 
 X = torch.arange(3, dtype=torch.float32)
@@ -263,3 +262,46 @@ def test_several_builds_share_the_cores(tmp_path: Path, fresh_cache: Path, monke
         (registry / f"{os.getpid()}.{i}").touch()
     (registry / "999999999.1").touch()  # a dead process's entry does not count
     assert ninja_build._jobs(registry) == 2
+
+
+def test_stable_key_names_the_abi_not_the_torch_version(tmp_path: Path, fresh_cache: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    stable = twofile.builder(twofile.write_op(tmp_path / "s", name="inc_abi_s", abi="stable"))
+    classic = twofile.builder(twofile.write_op(tmp_path / "c", name="inc_abi_c", abi="classic"))
+    assert stable.abi() == "stable" and classic.abi() == "classic"
+    assert "-DOPB_STABLE_ABI" in stable.final_cxx_args() and "-DOPB_STABLE_ABI" not in classic.final_cxx_args()
+    assert stable.key_inputs()["abi"] == "stable-2.10" and "torch" not in stable.key_inputs()
+    keys = (stable.key, classic.key)
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)
+    stable.refresh()
+    classic.refresh()
+    assert stable.key == keys[0], "a torch upgrade within the ABI range keeps a stable op's build"
+    assert classic.key != keys[1], "a classic op is keyed by the exact torch"
+
+
+def test_interrupting_opbuilder_build_stops_its_compilers_and_publishes_nothing(
+        tmp_path: Path, fresh_cache: Path) -> None:
+    marker = f"opb-slowcc-{os.getpid()}"
+    real = toolchain.cxx_path()
+    slow = tmp_path / "slow-cxx"
+    # Compiles take a minute (the identity probes run the real compiler).
+    slow.write_text(f'#!/bin/bash\nfor a in "$@"; do [ "$a" = -c ] && exec -a {marker} sleep 60; done\nexec {real} "$@"\n')
+    slow.chmod(0o755)
+    env = {**os.environ, "CXX": str(slow), "OPB_CACHE_DIR": str(fresh_cache)}
+    proc = subprocess.Popen([sys.executable, "-m", "opbuilder", "build", "relu", "softmax"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(_processes_with(marker)) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert len(_processes_with(marker)) >= 2, "both ops should be compiling"
+    started = time.time()
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert time.time() - started < 10, "Ctrl-C must stop the command at once"
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    time.sleep(0.5)
+    assert not _processes_with(marker), "compilers still run after Ctrl-C"
+    published = [p for p in fresh_cache.glob("*/*/manifest.json")]
+    assert published == [], f"published after Ctrl-C: {published}"

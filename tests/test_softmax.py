@@ -331,7 +331,7 @@ def test_layer() -> None:
 def _plans(cols: int, dtype: torch.dtype, vectorized: bool) -> list[list[int]]:
     """Plans [path, threads, vpt, cluster] that cover a row: every warp shape, block shapes for each
     vpt (the smallest cluster that covers the row), blocks of more than 256 threads (forward: vpt 8,
-    backward: vpt 4), and the split path."""
+    backward: vpt 4 or 1), and the split path."""
     per = 128 // torch.finfo(dtype).bits if vectorized else 1
     vectors = cols // per
     plans = []
@@ -342,7 +342,7 @@ def _plans(cols: int, dtype: torch.dtype, vectorized: bool) -> list[list[int]]:
             cluster = next((c for c in range(1, 9) if t * v * c >= vectors), None)
             if cluster is not None:
                 plans.append([1, t, v, cluster])
-    for v in (8, 4):
+    for v in (8, 4, 1):
         threads = max(512, 32 * -(-vectors // (32 * v)))
         if threads <= 1024:
             plans.append([1, threads, v, 1])
@@ -371,7 +371,7 @@ def test_every_cuda_path(cols: int, dtype: torch.dtype) -> None:
         if plan[3] > 1 and not clusters:
             continue
         fwd_ok = not (plan[0] == 1 and plan[1] > 256 and plan[2] != 8)
-        bwd_ok = not (plan[0] == 1 and plan[1] > 256 and plan[2] != 4)
+        bwd_ok = not (plan[0] == 1 and plan[1] > 256 and plan[2] not in (1, 4))
         if fwd_ok:
             y = ns.forward_with_plan(x, plan)
             torch.cuda.synchronize()
@@ -408,6 +408,8 @@ def test_default_plans_cover_every_path() -> None:
     assert plans["warp"][0] == 0
     assert plans["block"][0] == 1 and plans["block"][3] == 1
     assert plans["block 1024 threads"] == [1, 1024, 8, 1]
+    # The backward of the "block" rows (512 vectors) takes one vector a thread over 512 threads.
+    assert list(ns.default_plan(torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda"), True)) == [1, 512, 1, 1]
     assert plans["split"][0] == 2
     if torch.cuda.get_device_capability()[0] >= 9:
         assert plans["cluster"][0] == 1 and plans["cluster"][3] == 2

@@ -104,6 +104,18 @@ __device__ __forceinline__ void store(T* p, int64_t i, const V& v) {
   reinterpret_cast<V*>(p)[i] = v;
 }
 
+// A store of vector i of p: evict-first (st.global.cs) when CS, else plain.
+template <bool CS, typename V, typename T>
+__device__ __forceinline__ void store_row(T* p, int64_t i, const V& v) {
+  if constexpr (CS && sizeof(V) == 16) {
+    uint4 raw;
+    memcpy(&raw, &v, 16);
+    __stcs(reinterpret_cast<uint4*>(p) + i, raw);
+  } else {
+    store(p, i, v);
+  }
+}
+
 // ---- reductions ----------------------------------------------------------------------------------
 
 template <typename A>
@@ -171,7 +183,8 @@ __device__ __forceinline__ V load_row(const T* p, int64_t i) {
 // W_EARLY: the weight is loaded with the row, before the reduction, instead of after it (off the row's
 // critical path, for NV more registers). STREAM: __ldcs loads of input and residual, else plain loads.
 // TPR > 0: tpr known at compile time (index math by shifts, the reduction unrolled); 0: tpr_arg.
-template <typename T, int NV, bool W_EARLY, bool STREAM, int TPR = 0>
+// ST_CS: evict-first stores of out and residual_out, else plain ones.
+template <typename T, int NV, bool W_EARLY, bool STREAM, int TPR = 0, bool ST_CS = false>
 __global__ void __launch_bounds__(512)
     forward_rows_kernel(const T* __restrict__ input, const T* __restrict__ residual, const T* __restrict__ weight,
                         T* __restrict__ out, T* __restrict__ residual_out, int64_t rows, int nvec, int tpr_arg,
@@ -207,7 +220,7 @@ __global__ void __launch_bounds__(512)
 #pragma unroll
           for (int k = 0; k < P; ++k) f[k] = to_acc(a[j].v[k]) + to_acc(b[j].v[k]);
           from_acc_n(h[j], f);
-          store(residual_out, base + idx, h[j]);
+          store_row<ST_CS>(residual_out, base + idx, h[j]);
         } else {
           h[j] = a[j];
         }
@@ -231,7 +244,7 @@ __global__ void __launch_bounds__(512)
       for (int k = 0; k < P; ++k) f[k] = to_acc(h[j].v[k]) * rstd * to_acc(w[j].v[k]);
       V o;
       from_acc_n(o, f);
-      store(out, base + idx, o);
+      store_row<ST_CS>(out, base + idx, o);
     }
   }
 }

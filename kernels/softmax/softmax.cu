@@ -76,12 +76,16 @@ bool vectorizable(int64_t cols, DType dtype, const void* const* ptrs, int n_ptrs
   return true;
 }
 
-// Measured (forward: benchmarks/tune_softmax.py on an H100, NOTES.md; backward: an earlier sweep on an
-// H200): 4 vectors a thread (forward; 2 for backward, which holds two rows) and up to 256 threads per
-// block, then 8 (backward 4) with up to 1024 threads, are as fast as any other block shape and beat
-// splitting a row across a cluster: fp32 4096 cols 256x4 0.90 of copy (128x8 0.91, 256x2 0.76);
-// fp32 32768 cols 1024x8 0.995 (cluster 2x512x8 0.93); bf16 32768 cols 512x8 0.99 (cluster 2x256x8
-// 0.93); bf16 backward 4096 cols 256x2 0.92 (128x4 0.91).
+// Measured (benchmarks/tune_softmax.py and benchmarks/tuning/issue14.py on an H100, NOTES.md; the
+// backward first on an H200): rows that fit a block of up to 256 threads hold 4 vectors a thread (backward
+// 2), longer rows 8 (backward 4) with up to 1024 threads; both beat splitting a row across a cluster:
+// fp32 32768 cols 1024x8 0.99 of copy (cluster 2x512x8 0.93); bf16 32768 cols 512x8 0.98 (cluster
+// 2x256x8 0.93). Two exceptions, each where it was measured:
+//  * forward, float32 rows of 513..1024 vectors: 128 threads of 8 (more rows in flight on an SM):
+//    4096 cols 48.4 us against 256x4's 49.6; 3000 cols and 8192 rows of 4096 equal.
+//  * backward, 16-byte rows of 257..512 vectors: one vector a thread (the backward wants threads):
+//    bf16 4096 cols 512x1 265 us = 1.00 of copy against 256x2's 284, bf16 3072 cols 384x1 103 against
+//    120, fp32 2048 cols 266 against 268.
 Plan default_plan(const Problem& p) {
   const int64_t vectors = row_vectors(p);
   const int small_vpt = p.backward ? 2 : 4;
@@ -96,6 +100,10 @@ Plan default_plan(const Problem& p) {
     plan.cluster = 1;
     return plan;
   }
+  const bool wide = p.vectorized && p.dtype != DType::Float64;
+  if (p.backward && wide && vectors > 256 && vectors <= 512) return block_shape(vectors, 1);
+  if (!p.backward && wide && p.dtype == DType::Float32 && vectors > 512 && vectors <= 1024)
+    return block_shape(vectors, big_vpt);  // 128 threads of 8
   if (vectors <= 256 * small_vpt) return block_shape(vectors, small_vpt);
   const int64_t block_vectors = int64_t(1024) * big_vpt;
   if (vectors <= block_vectors) return block_shape(vectors, big_vpt);
@@ -134,8 +142,9 @@ const char* plan_error(const Plan& plan, const Problem& p) {
       if (plan.vpt != 1 && plan.vpt != 2 && plan.vpt != 4 && plan.vpt != 8)
         return "block path: vpt must be 1, 2, 4 or 8";
       if (plan.threads < 32 || plan.threads % 32 != 0) return "block path: threads must be a positive multiple of 32";
-      if (plan.threads > 1024 || (plan.threads > 256 && plan.vpt != big_vpt))
-        return p.backward ? "block path: threads must be <= 256, or <= 1024 with vpt 4"
+      const bool big_ok = plan.vpt == big_vpt || (p.backward && plan.vpt == 1);
+      if (plan.threads > 1024 || (plan.threads > 256 && !big_ok))
+        return p.backward ? "block path: threads must be <= 256, or <= 1024 with vpt 1 or 4"
                           : "block path: threads must be <= 256, or <= 1024 with vpt 8";
       if (plan.cluster < 1 || plan.cluster > 8) return "block path: cluster must be 1..8";
       if (plan.cluster > 1 && !device_info(p.device).clusters)

@@ -16,8 +16,9 @@ enum class Path : int { Warp = 0, Block = 1, Split = 2 };
 // A launch configuration. A "vector" is 16 bytes of a row when every row is 16-byte aligned, else one
 // element.
 //   Warp:  threads = lanes per row (1, 2, 4, ..., 32), vpt = vectors per lane (1, 2, 4); not float64.
-//   Block: threads per block (a multiple of 32, <= 256; or <= 1024 with vpt = kBigVpt), vpt = vectors
-//          per thread (1, 2, 4, 8), cluster = blocks per row (1..8; above 1 only where clusters run).
+//   Block: threads per block (a multiple of 32, <= 256; or <= 1024 with vpt = kBigVpt, or for the
+//          backward vpt = 1), vpt = vectors per thread (1, 2, 4, 8), cluster = blocks per row (1..8; above
+//          1 only where clusters run).
 //   Split: threads per block (a multiple of 32, <= 256), vpt = 4, cluster = 1; blocks per row follow
 //          from cols.
 struct Plan {

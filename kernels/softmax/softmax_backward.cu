@@ -24,12 +24,17 @@ cudaError_t backward_typed(const Problem& p, const Plan& plan, const T* y, const
       return with_vpt(plan.vpt, [&](auto vpt) {
         constexpr int kVpt = decltype(vpt)::value;
         const int64_t blocks = p.rows * plan.cluster;
+        // Plain loads and stores for 1 or 2 vectors a thread, evict-first ones for more (H100,
+        // benchmarks/NOTES.md: bf16 4096 cols 256x2 282 us plain against 290; in the forward+backward step
+        // 512x1 plain 446 against 455; but bf16 32768 cols 1024x4 378 plain against 356).
+        constexpr Ld kLoad = kVpt <= 2 ? Ld::Nc : Ld::Cs;
+        constexpr St kStore = kVpt <= 2 ? St::Wb : St::Cs;
         if (plan.threads <= 256)
-          return launch(backward_block_kernel<T, N, kVpt, 256>, blocks, plan.threads, plan.cluster, stream, y, dy, dx,
-                        p.cols);
-        if constexpr (kVpt == kBigVptBackward)
-          return launch(backward_block_kernel<T, N, kVpt, 1024>, blocks, plan.threads, plan.cluster, stream, y, dy,
-                        dx, p.cols);
+          return launch(backward_block_kernel<T, N, kVpt, 256, kLoad, kLoad, kStore>, blocks, plan.threads,
+                        plan.cluster, stream, y, dy, dx, p.cols);
+        if constexpr (kVpt == kBigVptBackward || kVpt == 1)
+          return launch(backward_block_kernel<T, N, kVpt, 1024, kLoad, kLoad, kStore>, blocks, plan.threads,
+                        plan.cluster, stream, y, dy, dx, p.cols);
         return cudaErrorInvalidValue;
       });
     case Path::Split: {

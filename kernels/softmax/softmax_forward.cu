@@ -24,6 +24,19 @@ cudaError_t forward_typed(const Problem& p, const Plan& plan, const T* x, T* y, 
       return with_vpt(plan.vpt, [&](auto vpt) {
         constexpr int kVpt = decltype(vpt)::value;
         const int64_t blocks = p.rows * plan.cluster;
+        // A row in one block of <= 256 threads, 16-byte vectors, at most 32 elements a thread: two
+        // reductions and one exp an element, and for float32 evict-first stores of y (H100,
+        // benchmarks/NOTES.md: fp32 4096 cols 128x8 49.7 -> 49.2 us, bf16 4096 cols 128x4 27.7 -> 27.0 us
+        // and 185.5 -> 184.7 us at 32768 rows; for bf16 evict-first stores were 1-2 us slower). More
+        // elements a thread (bf16 256x8: 94.4 -> 103.5 us at 4096 x 16384), longer rows (fp32 32768
+        // cols: 1441 against 1444 us), clusters and float64 keep the one-reduction kernel.
+        if constexpr (!std::is_same_v<T, double> && N * sizeof(T) == 16 && N * kVpt <= 32) {
+          if (plan.threads <= 256 && plan.cluster == 1) {
+            constexpr St kStore = sizeof(T) == 4 ? St::Cs : St::Wb;
+            return launch(forward_block_once_kernel<T, N, kVpt, 256, Ld::Nc, kStore>, blocks, plan.threads, 1,
+                          stream, x, y, p.cols);
+          }
+        }
         if (plan.threads <= 256)
           return launch(forward_block_kernel<T, N, kVpt, 256>, blocks, plan.threads, plan.cluster, stream, x, y,
                         p.cols);

@@ -12,7 +12,9 @@
 //               where it is still there), merges the row's partials and writes. x is read twice.
 //
 // Forward partials are (max, sum of exp(x - max)) pairs, merged the online-softmax way; backward
-// partials are sums of y * grad_y. Accumulation is in float (double for double inputs).
+// partials are sums of y * grad_y. Accumulation is in float (double for double inputs). A row held by
+// one block of few elements a thread may instead take forward_block_once_kernel: the row's max first,
+// then exp(x - max) once an element, kept, summed and scaled (two reductions, half the exps).
 //
 // Access pattern: a thread's v-th access of a row is vector number base + v * stride + lane, where a
 // vector is N consecutive elements (16 bytes when the rows are 16-byte aligned, else 1 element), so a
@@ -96,24 +98,38 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-// Evict-first loads for data read once; plain (L2-kept) loads for data the split path reads again.
-// (The forward reads with plain loads too: on the H100 they beat evict-first ones, benchmarks/NOTES.md.)
-template <bool kStream, typename T, int N>
+// Cache policies of a kernel's global loads and stores (compile-time knobs, so the tuning script can time
+// them side by side; benchmarks/NOTES.md has the measurements behind each kernel's defaults).
+//   Ld::Nc  ld.global.nc (read-only path; what a plain load of const __restrict__ data compiles to)
+//   Ld::Ca  ld.global.ca (cache at all levels)
+//   Ld::Cs  ld.global.cs (evict first: data read once)
+//   St::Wb  st.global.wb (a plain store)
+//   St::Cs  st.global.cs (evict first)
+enum class Ld : int { Nc = 0, Ca = 1, Cs = 2 };
+enum class St : int { Wb = 0, Cs = 1 };
+
+template <Ld L, typename R>
+__device__ __forceinline__ R load_raw(const R* p) {
+  if constexpr (L == Ld::Cs) return __ldcs(p);
+  else if constexpr (L == Ld::Ca) return __ldca(p);
+  else return __ldg(p);
+}
+
+template <Ld L, typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   using R = typename RawOf<sizeof(T) * N>::type;
-  const R* rp = reinterpret_cast<const R*>(p);
-  R r = kStream ? __ldcs(rp) : __ldg(rp);
+  R r = load_raw<L>(reinterpret_cast<const R*>(p));
   Pack<T, N> out;
   memcpy(&out, &r, sizeof(R));
   return out;
 }
 
-template <bool kStream, typename T, int N>
+template <St S, typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   using R = typename RawOf<sizeof(T) * N>::type;
   R r;
   memcpy(&r, &v, sizeof(R));
-  if constexpr (kStream)
+  if constexpr (S == St::Cs)
     __stcs(reinterpret_cast<R*>(p), r);
   else
     __stwb(reinterpret_cast<R*>(p), r);  // a plain store, kept as one access (a struct copy may be split)
@@ -257,11 +273,11 @@ struct Slice {
   __device__ __forceinline__ bool valid(int v) const { return base + v * stride < count; }
   __device__ __forceinline__ int64_t elem(int v) const { return (base + v * stride) * N; }
 
-  template <bool kStream>
+  template <Ld L>
   __device__ __forceinline__ void load(const T* row) {
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
-      if (valid(v)) buf[v] = load_pack<kStream, T, N>(row + elem(v));
+      if (valid(v)) buf[v] = load_pack<L, T, N>(row + elem(v));
   }
 };
 
@@ -308,7 +324,7 @@ __device__ __forceinline__ MaxSum<Acc> max_sum_of(const Slice<T, N, VPT>& x) {
 }
 
 // y = exp(x - m) / s. For an all -inf row m = -inf and this is NaN, as torch gives.
-template <bool kStream, typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
+template <St S, typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
 __device__ __forceinline__ void write_softmax(const Slice<T, N, VPT>& x, MaxSum<Acc> row, T* y) {
   const Acc inv = Acc(1) / row.s;
 #pragma unroll
@@ -324,7 +340,7 @@ __device__ __forceinline__ void write_softmax(const Slice<T, N, VPT>& x, MaxSum<
 #pragma unroll
         for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(exp_acc(to_acc(x.buf[v].v[k]) - row.m) * inv);
       }
-      store_pack<kStream, T, N>(y + x.elem(v), out);
+      store_pack<S, T, N>(y + x.elem(v), out);
     }
 }
 
@@ -341,7 +357,7 @@ __device__ __forceinline__ Sum<Acc> dot_of(const Slice<T, N, VPT>& y, const Slic
 }
 
 // grad_x = y * (grad_y - dot).
-template <typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
+template <St S, typename T, int N, int VPT, typename Acc = typename AccOf<T>::type>
 __device__ __forceinline__ void write_grad(const Slice<T, N, VPT>& y, const Slice<T, N, VPT>& dy, Sum<Acc> dot,
                                            T* dx) {
 #pragma unroll
@@ -350,7 +366,7 @@ __device__ __forceinline__ void write_grad(const Slice<T, N, VPT>& y, const Slic
       Pack<T, N> out;
 #pragma unroll
       for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(to_acc(y.buf[v].v[k]) * (to_acc(dy.buf[v].v[k]) - dot.s));
-      store_pack<true, T, N>(dx + y.elem(v), out);
+      store_pack<S, T, N>(dx + y.elem(v), out);
     }
 }
 
@@ -369,13 +385,13 @@ __global__ void __launch_bounds__(kWarpPathThreads)
   xs.base = threadIdx.x % group;
   xs.stride = group;
   xs.count = active ? cols / N : 0;  // inactive groups still take part in the shuffles
-  xs.template load<false>(x + row * cols);
-  write_softmax<false>(xs, group_allreduce(max_sum_of(xs), group), y + row * cols);
+  xs.template load<Ld::Nc>(x + row * cols);
+  write_softmax<St::Wb>(xs, group_allreduce(max_sum_of(xs), group), y + row * cols);
 }
 
 // x, y: [rows, cols]. One row per cluster of gridDim.x / rows blocks (1 without a cluster launch);
 // each block owns blockDim.x * VPT consecutive vectors of it.
-template <typename T, int N, int VPT, int MAX_THREADS>
+template <typename T, int N, int VPT, int MAX_THREADS, Ld LD = Ld::Nc, St ST = St::Wb>
 __global__ void __launch_bounds__(MAX_THREADS)
     forward_block_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t cols) {
   using Acc = typename AccOf<T>::type;
@@ -387,11 +403,67 @@ __global__ void __launch_bounds__(MAX_THREADS)
   xs.base = int64_t(cluster.rank) * blockDim.x * VPT + threadIdx.x;
   xs.stride = blockDim.x;
   xs.count = cols / N;
-  xs.template load<false>(x + row * cols);
+  xs.template load<LD>(x + row * cols);
   const MaxSum<Acc> r = cluster.allreduce(block_allreduce(max_sum_of(xs), scratch), &slot);
   cluster.done_reading();
-  write_softmax<false>(xs, r, y + row * cols);
+  write_softmax<ST>(xs, r, y + row * cols);
   cluster.wait_peers();
+}
+
+// The row's max alone, for the two-reduction kernel below.
+template <typename Acc>
+struct Max {
+  Acc m;
+
+  __device__ __forceinline__ static Max identity() { return {neg_inf<Acc>()}; }
+  __device__ __forceinline__ static Max merge(Max a, Max b) { return {max_nan(a.m, b.m)}; }
+  __device__ __forceinline__ Max shfl_xor(int offset, int width) const {
+    return {__shfl_xor_sync(0xffffffffu, m, offset, width)};
+  }
+};
+
+// The block path for one block a row (no cluster), in two reductions: the row's max first, then
+// e = exp(x - max) once an element, kept in registers, summed, and scaled: one exp an element where
+// forward_block_kernel takes two (one for its partial sum, one for y), and no exp in the merges. An all
+// -inf row has max -inf and gives NaN (exp(-inf - -inf)), as torch does; a NaN anywhere gives a NaN max.
+template <typename T, int N, int VPT, int MAX_THREADS, Ld LD = Ld::Nc, St ST = St::Wb>
+__global__ void __launch_bounds__(MAX_THREADS)
+    forward_block_once_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t cols) {
+  using Acc = typename AccOf<T>::type;
+  __shared__ Max<Acc> max_scratch[32];
+  __shared__ Sum<Acc> sum_scratch[32];  // a second buffer: a fast warp must not overwrite the maxima
+  const int64_t row = blockIdx.x;
+  Slice<T, N, VPT> xs;
+  xs.base = threadIdx.x;
+  xs.stride = blockDim.x;
+  xs.count = cols / N;
+  xs.template load<LD>(x + row * cols);
+  const Acc m = block_allreduce(Max<Acc>{max_of(xs)}, max_scratch).m;
+  Acc e[VPT][N];
+  Acc s = 0;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v)
+    if (xs.valid(v)) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        e[v][k] = exp_acc(to_acc(xs.buf[v].v[k]) - m);
+        s += e[v][k];
+      }
+    }
+  const Acc inv = Acc(1) / block_allreduce(Sum<Acc>{s}, sum_scratch).s;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v)
+    if (xs.valid(v)) {
+      Pack<T, N> out;
+      if constexpr (N % 2 == 0) {
+#pragma unroll
+        for (int k = 0; k < N; k += 2) from_acc2<T>(e[v][k] * inv, e[v][k + 1] * inv, &out.v[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) out.v[k] = from_acc<T>(e[v][k] * inv);
+      }
+      store_pack<ST, T, N>(y + row * cols + xs.elem(v), out);
+    }
 }
 
 // Split path, kernel 1. Block b handles chunk b % splits of row b / splits and writes its (max, sum)
@@ -408,7 +480,7 @@ __global__ void __launch_bounds__(256)
   xs.base = chunk * blockDim.x * VPT + threadIdx.x;
   xs.stride = blockDim.x;
   xs.count = cols / N;
-  xs.template load<false>(x + row * cols);
+  xs.template load<Ld::Nc>(x + row * cols);
   MaxSum<Acc> r = block_allreduce(max_sum_of(xs), scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = r;
 }
@@ -427,11 +499,11 @@ __global__ void __launch_bounds__(256)
   xs.base = chunk * blockDim.x * VPT + threadIdx.x;
   xs.stride = blockDim.x;
   xs.count = cols / N;
-  xs.template load<true>(x + row * cols);
+  xs.template load<Ld::Cs>(x + row * cols);
   MaxSum<Acc> r = MaxSum<Acc>::identity();
   for (int64_t i = threadIdx.x; i < splits; i += blockDim.x) r = MaxSum<Acc>::merge(r, partials[row * splits + i]);
   r = block_allreduce(r, scratch);
-  write_softmax<true>(xs, r, y + row * cols);
+  write_softmax<St::Cs>(xs, r, y + row * cols);
 }
 
 // ---- backward kernels ------------------------------------------------------------------------------
@@ -446,13 +518,14 @@ __global__ void __launch_bounds__(kWarpPathThreads)
   ys.base = dys.base = threadIdx.x % group;
   ys.stride = dys.stride = group;
   ys.count = dys.count = active ? cols / N : 0;
-  ys.template load<true>(y + row * cols);
-  dys.template load<true>(dy + row * cols);
+  ys.template load<Ld::Cs>(y + row * cols);
+  dys.template load<Ld::Cs>(dy + row * cols);
   Sum<typename AccOf<T>::type> dot = group_allreduce(dot_of(ys, dys), group);
-  write_grad(ys, dys, dot, dx + row * cols);
+  write_grad<St::Cs>(ys, dys, dot, dx + row * cols);
 }
 
-template <typename T, int N, int VPT, int MAX_THREADS>
+// LD_Y, LD_DY, ST: cache policies of y's and grad_y's loads and grad_x's stores (the launcher picks them).
+template <typename T, int N, int VPT, int MAX_THREADS, Ld LD_Y = Ld::Cs, Ld LD_DY = Ld::Cs, St ST = St::Cs>
 __global__ void __launch_bounds__(MAX_THREADS)
     backward_block_kernel(const T* __restrict__ y, const T* __restrict__ dy, T* __restrict__ dx, int64_t cols) {
   using Acc = typename AccOf<T>::type;
@@ -464,12 +537,12 @@ __global__ void __launch_bounds__(MAX_THREADS)
   ys.base = dys.base = int64_t(cluster.rank) * blockDim.x * VPT + threadIdx.x;
   ys.stride = dys.stride = blockDim.x;
   ys.count = dys.count = cols / N;
-  ys.template load<true>(y + row * cols);
-  dys.template load<true>(dy + row * cols);
+  ys.template load<LD_Y>(y + row * cols);
+  dys.template load<LD_DY>(dy + row * cols);
   Sum<Acc> dot = block_allreduce(dot_of(ys, dys), scratch);
   dot = cluster.allreduce(dot, &slot);
   cluster.done_reading();
-  write_grad(ys, dys, dot, dx + row * cols);
+  write_grad<ST>(ys, dys, dot, dx + row * cols);
   cluster.wait_peers();
 }
 
@@ -485,8 +558,8 @@ __global__ void __launch_bounds__(256)
   ys.base = dys.base = chunk * blockDim.x * VPT + threadIdx.x;
   ys.stride = dys.stride = blockDim.x;
   ys.count = dys.count = cols / N;
-  ys.template load<false>(y + row * cols);
-  dys.template load<false>(dy + row * cols);
+  ys.template load<Ld::Nc>(y + row * cols);
+  dys.template load<Ld::Nc>(dy + row * cols);
   Sum<Acc> dot = block_allreduce(dot_of(ys, dys), scratch);
   if (threadIdx.x == 0) partials[blockIdx.x] = dot;
 }
@@ -504,12 +577,12 @@ __global__ void __launch_bounds__(256)
   ys.base = dys.base = chunk * blockDim.x * VPT + threadIdx.x;
   ys.stride = dys.stride = blockDim.x;
   ys.count = dys.count = cols / N;
-  ys.template load<true>(y + row * cols);
-  dys.template load<true>(dy + row * cols);
+  ys.template load<Ld::Cs>(y + row * cols);
+  dys.template load<Ld::Cs>(dy + row * cols);
   Sum<Acc> dot = Sum<Acc>::identity();
   for (int64_t i = threadIdx.x; i < splits; i += blockDim.x) dot = Sum<Acc>::merge(dot, partials[row * splits + i]);
   dot = block_allreduce(dot, scratch);
-  write_grad(ys, dys, dot, dx + row * cols);
+  write_grad<St::Cs>(ys, dys, dot, dx + row * cols);
 }
 
 }  // namespace opb::softmax
