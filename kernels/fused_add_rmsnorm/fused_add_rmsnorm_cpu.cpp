@@ -1,11 +1,11 @@
-// fused_add_rmsnorm on the CPU: rows in parallel (at::parallel_for); per row one pass that adds, writes
+// fused_add_rmsnorm on the CPU: rows in parallel (torch::stable::parallel_for); per row one pass that adds, writes
 // residual_out and sums squares, then one that scales (re-reading the row from cache). The reductions
 // keep kLanes independent partial sums, so that the compiler vectorises them without -ffast-math.
 #include "fused_add_rmsnorm_cpu.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +16,9 @@
 #include "common/acc_type.h"
 
 namespace opb::fused_add_rmsnorm {
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -72,7 +75,7 @@ void forward_typed(const T* x, const T* r, const T* w, T* out, T* res_out, int64
   using A = typename AccOf<T>::type;
   // At least ~16K elements a task, to amortise the thread pool.
   const int64_t grain = std::max<int64_t>(1, 16384 / hidden);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t o = row * hidden;
       forward_row<T, A>(x + o, r != nullptr ? r + o : nullptr, w, out + o, res_out != nullptr ? res_out + o : nullptr,
@@ -124,11 +127,11 @@ void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* 
   using A = typename AccOf<T>::type;
   // Rows are cut into a few chunks per thread; each chunk sums its weight gradient in its own row of
   // `partial`, and the chunks are added in order at the end.
-  const int64_t want = std::max<int64_t>(1, at::get_num_threads()) * 4;
+  const int64_t want = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())) * 4;
   const int64_t per_chunk = (rows + std::min(rows, want) - 1) / std::min(rows, want);
   const int64_t chunks = (rows + per_chunk - 1) / per_chunk;
   std::vector<A> partial(static_cast<size_t>(chunks * hidden), A(0));
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       A* dwc = partial.data() + c * hidden;
       const int64_t last = std::min(rows, (c + 1) * per_chunk);
@@ -140,7 +143,7 @@ void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* 
       }
     }
   });
-  at::parallel_for(0, hidden, 4096, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, hidden, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       A s = 0;
       for (int64_t c = 0; c < chunks; ++c) s += partial[c * hidden + j];
@@ -161,8 +164,8 @@ void forward_cpu(const void* input, const void* residual, const void* weight, vo
                          static_cast<const T*>(weight), static_cast<T*>(out), static_cast<T*>(residual_out), rows, \
                          hidden, eps);
     OPB_CASE(Float32, float)
-    OPB_CASE(Float16, c10::Half)
-    OPB_CASE(BFloat16, c10::BFloat16)
+    OPB_CASE(Float16, Half)
+    OPB_CASE(BFloat16, BFloat16)
     OPB_CASE(Float64, double)
 #undef OPB_CASE
   }
@@ -178,8 +181,8 @@ void backward_cpu(const void* grad_out, const void* grad_residual_out, const voi
                           static_cast<const T*>(h), static_cast<const T*>(weight), static_cast<T*>(grad_h),      \
                           static_cast<T*>(grad_h2), static_cast<T*>(grad_weight), rows, hidden, eps);
     OPB_CASE(Float32, float)
-    OPB_CASE(Float16, c10::Half)
-    OPB_CASE(BFloat16, c10::BFloat16)
+    OPB_CASE(Float16, Half)
+    OPB_CASE(BFloat16, BFloat16)
     OPB_CASE(Float64, double)
 #undef OPB_CASE
   }

@@ -1,20 +1,25 @@
-// fused_matmul_add_relu as a Torch op: schema, input checks, CPU and CUDA implementations.
+// fused_matmul_add_relu as a Torch op on the LibTorch stable ABI: schema, input checks, CPU and CUDA implementations.
 //
 // out = relu(lhs @ rhs + bias). lhs: [M, K] or [B, M, K]; rhs: [K, N] or [B, K, N] (a batch of 1, or
 // a 2-D operand, broadcasts); bias: broadcastable to out ([N] is the common case), or None.
-#include <opbuilder/binding.h>
+#include <opbuilder/stable.h>
 
+#include <array>
 #include <optional>
 #include <vector>
 
 #include "fused_matmul_add_relu_cpu.h"
 #ifdef OPB_WITH_CUDA
-#include <ATen/Context.h>
-
 #include "fused_matmul_add_relu.cuh"
+
+// torch's cuBLAS handle for the current device and stream, in the math mode torch's TF32 setting asks
+// for. In the stable C shim since torch 2.10, declared there under USE_CUDA only.
+extern "C" AOTI_TORCH_EXPORT AOTITorchError torch_get_current_cuda_blas_handle(void** ret_handle);
 #endif
 
 namespace {
+
+using opb::Tensor;
 
 constexpr const char* kOp = "fused_matmul_add_relu";
 
@@ -23,72 +28,74 @@ struct Shape {
   std::vector<int64_t> out;  // [M, N] or [B, M, N]
 };
 
-int64_t batch_of(const at::Tensor& t) { return t.dim() == 3 ? t.size(0) : 1; }
+int64_t batch_of(const Tensor& t) { return t.dim() == 3 ? t.size(0) : 1; }
 
 // Mirrors the checks in ops/fused_matmul_add_relu.py, so a direct torch.ops call fails the same way.
-Shape check_inputs(const at::Tensor& lhs, const at::Tensor& rhs, const std::optional<at::Tensor>& bias) {
+Shape check_inputs(const Tensor& lhs, const Tensor& rhs, const std::optional<Tensor>& bias) {
   opb::dtype_of(lhs, kOp, "lhs");
-  TORCH_CHECK(rhs.scalar_type() == lhs.scalar_type(), kOp, ": rhs must have lhs's dtype ", lhs.scalar_type(),
-              ", got ", rhs.scalar_type());
-  TORCH_CHECK(rhs.device() == lhs.device(), kOp, ": rhs must be on lhs's device ", lhs.device(), ", got ",
-              rhs.device());
-  TORCH_CHECK(lhs.dim() == 2 || lhs.dim() == 3, kOp, ": lhs must be 2-D [M, K] or 3-D [B, M, K], got shape ",
-              lhs.sizes());
-  TORCH_CHECK(rhs.dim() == 2 || rhs.dim() == 3, kOp, ": rhs must be 2-D [K, N] or 3-D [B, K, N], got shape ",
-              rhs.sizes());
+  STD_TORCH_CHECK(rhs.scalar_type() == lhs.scalar_type(), kOp, ": rhs must have lhs's dtype ", lhs.scalar_type(),
+                  ", got ", rhs.scalar_type());
+  STD_TORCH_CHECK(opb::same_device(rhs, lhs), kOp, ": rhs must be on lhs's device ", opb::device_str(lhs), ", got ",
+                  opb::device_str(rhs));
+  STD_TORCH_CHECK(lhs.dim() == 2 || lhs.dim() == 3, kOp, ": lhs must be 2-D [M, K] or 3-D [B, M, K], got shape ",
+                  opb::shape_str(lhs.sizes()));
+  STD_TORCH_CHECK(rhs.dim() == 2 || rhs.dim() == 3, kOp, ": rhs must be 2-D [K, N] or 3-D [B, K, N], got shape ",
+                  opb::shape_str(rhs.sizes()));
   const int64_t k = lhs.size(-1);
-  TORCH_CHECK(rhs.size(-2) == k, kOp, ": rhs must have K=", k, " rows to match lhs's last dim, got ", rhs.size(-2),
-              " (rhs shape ", rhs.sizes(), ")");
+  STD_TORCH_CHECK(rhs.size(-2) == k, kOp, ": rhs must have K=", k, " rows to match lhs's last dim, got ",
+                  rhs.size(-2), " (rhs shape ", opb::shape_str(rhs.sizes()), ")");
   const int64_t bl = batch_of(lhs), br = batch_of(rhs);
-  TORCH_CHECK(bl == br || bl == 1 || br == 1, kOp, ": the batch dims of lhs and rhs must be equal or 1, got ", bl,
-              " (lhs) and ", br, " (rhs)");
+  STD_TORCH_CHECK(bl == br || bl == 1 || br == 1, kOp, ": the batch dims of lhs and rhs must be equal or 1, got ",
+                  bl, " (lhs) and ", br, " (rhs)");
   Shape s{bl == 1 ? br : bl, lhs.size(-2), rhs.size(-1), k, {}};
   if (lhs.dim() == 3 || rhs.dim() == 3) s.out.push_back(s.batch);
   s.out.push_back(s.m);
   s.out.push_back(s.n);
   if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    TORCH_CHECK(b.scalar_type() == lhs.scalar_type(), kOp, ": bias must have lhs's dtype ", lhs.scalar_type(),
-                ", got ", b.scalar_type());
-    TORCH_CHECK(b.device() == lhs.device(), kOp, ": bias must be on lhs's device ", lhs.device(), ", got ",
-                b.device());
+    const Tensor& b = *bias;
+    STD_TORCH_CHECK(b.scalar_type() == lhs.scalar_type(), kOp, ": bias must have lhs's dtype ", lhs.scalar_type(),
+                    ", got ", b.scalar_type());
+    STD_TORCH_CHECK(opb::same_device(b, lhs), kOp, ": bias must be on lhs's device ", opb::device_str(lhs),
+                    ", got ", opb::device_str(b));
     bool ok = b.dim() <= static_cast<int64_t>(s.out.size());
     for (int64_t i = 1; ok && i <= b.dim(); ++i) {
       const int64_t have = b.size(-i), want = s.out[s.out.size() - i];
       ok = have == want || have == 1;
     }
-    TORCH_CHECK(ok, kOp, ": bias must broadcast to the output's shape ", at::IntArrayRef(s.out),
-                " (e.g. [N], [M, N] or the full shape), got ", b.sizes());
+    STD_TORCH_CHECK(ok, kOp, ": bias must broadcast to the output's shape ", opb::shape_str(s.out),
+                    " (e.g. [N], [M, N] or the full shape), got ", opb::shape_str(b.sizes()));
   }
   return s;
 }
 
-// bias broadcast to out's shape, or relu alone; for the CPU epilogue and the K = 0 case.
+// bias broadcast to out's shape (as expand would: stride 0 along a broadcast dim), or relu alone; for
+// the CPU epilogue.
 struct BiasView {
-  at::Tensor expanded;  // keeps the view alive
   const void* data = nullptr;
   int64_t sb = 0, sr = 0, sc = 0;
 };
 
-BiasView bias_view(const std::optional<at::Tensor>& bias, const Shape& s) {
+BiasView bias_view(const std::optional<Tensor>& bias, const Shape& s) {
   BiasView v;
   if (!bias.has_value()) return v;
-  v.expanded = bias->expand(s.out);
-  v.data = v.expanded.const_data_ptr();
-  v.sc = v.expanded.stride(-1);
-  v.sr = v.expanded.stride(-2);
-  v.sb = v.expanded.dim() == 3 ? v.expanded.stride(0) : 0;
+  const Tensor& b = *bias;
+  // Dim i of the output counted from the right (0: columns, 1: rows, 2: batch).
+  auto stride = [&](int64_t i) { return i < b.dim() && b.size(-1 - i) != 1 ? b.stride(-1 - i) : int64_t(0); };
+  v.data = b.const_data_ptr();
+  v.sc = stride(0);
+  v.sr = stride(1);
+  v.sb = s.out.size() == 3 ? stride(2) : 0;
   return v;
 }
 
-at::Tensor forward_cpu(const at::Tensor& lhs, const at::Tensor& rhs, const std::optional<at::Tensor>& bias) {
+Tensor forward_cpu(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   const Shape s = check_inputs(lhs, rhs, bias);
   const opb::DType dtype = opb::dtype_of(lhs, kOp, "lhs");
-  // One GEMM by ATen (it handles broadcast batches and transposed views without copies where BLAS
-  // can), then one fused pass for the bias and the ReLU.
-  at::Tensor out = lhs.matmul(rhs).contiguous();
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(s.out), kOp, ": internal error: matmul gave shape ", out.sizes(),
-              ", expected ", at::IntArrayRef(s.out));
+  // One GEMM by ATen through the dispatcher (it handles broadcast batches and transposed views without
+  // copies where BLAS can), then one fused pass for the bias and the ReLU.
+  Tensor out = torch::stable::contiguous(torch::stable::matmul(lhs, rhs));
+  STD_TORCH_CHECK(out.sizes().equals(s.out), kOp, ": internal error: matmul gave shape ",
+                  opb::shape_str(out.sizes()), ", expected ", opb::shape_str(s.out));
   if (out.numel() == 0) return out;
   const BiasView b = bias_view(bias, s);
   opb::fused_matmul_add_relu::bias_relu_cpu(out.mutable_data_ptr(), b.data, s.batch, s.m, s.n, b.sb, b.sr, b.sc,
@@ -105,7 +112,7 @@ constexpr int64_t kWorkspaceBytes = int64_t(32) << 20;
 
 // Reads `t` (2-D or 3-D) as a batch of matrices cuBLAS can use in place: row-major or a transposed
 // view, any batch stride. False when it is neither (a copy is needed).
-bool matrix_view(const at::Tensor& t, Matrix* mat) {
+bool matrix_view(const Tensor& t, Matrix* mat) {
   const int64_t rows = t.size(-2), cols = t.size(-1), sr = t.stride(-2), sc = t.stride(-1);
   if ((cols == 1 || sc == 1) && (rows == 1 || sr >= cols)) {
     mat->transposed = false;
@@ -121,33 +128,48 @@ bool matrix_view(const at::Tensor& t, Matrix* mat) {
   return true;
 }
 
-at::Tensor as_matrix(const at::Tensor& t, Matrix* mat) {
+Tensor as_matrix(const Tensor& t, Matrix* mat) {
   if (matrix_view(t, mat)) return t;
-  at::Tensor c = t.contiguous();
+  Tensor c = torch::stable::contiguous(t);
   matrix_view(c, mat);
   return c;
 }
 
-// When cuBLASLt has no algorithm for a problem (unusual layouts or float64 epilogues): ATen's ops.
-at::Tensor forward_composed(const at::Tensor& lhs, const at::Tensor& rhs, const std::optional<at::Tensor>& bias) {
-  at::Tensor out = lhs.matmul(rhs);
-  if (bias.has_value()) out.add_(*bias);
-  return out.relu_().contiguous();
+// An in-place ATen op of one tensor argument (relu_), through the stable dispatcher call.
+Tensor call_inplace(const char* name, const Tensor& self) {
+  std::array<StableIValue, 1> stack{torch::stable::detail::from(self)};
+  TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, "", stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<Tensor>(stack[0]);
 }
 
-at::Tensor forward_cuda(const at::Tensor& lhs, const at::Tensor& rhs, const std::optional<at::Tensor>& bias) {
+// When cuBLASLt has no algorithm for a problem (unusual layouts or float64 epilogues): ATen's ops.
+Tensor forward_composed(const Tensor& lhs, const Tensor& rhs, const std::optional<Tensor>& bias) {
+  Tensor out = torch::stable::matmul(lhs, rhs);
+  // out - (-1) * bias: the stable ops have subtract with alpha, not add.
+  if (bias.has_value()) out = torch::stable::subtract(out, *bias, -1.0);
+  return torch::stable::contiguous(call_inplace("aten::relu_", out));
+}
+
+// torch.backends.cuda.matmul.allow_tf32, as torch's own cuBLAS handle carries it.
+bool allow_tf32() {
+  void* handle = nullptr;
+  TORCH_ERROR_CODE_CHECK(torch_get_current_cuda_blas_handle(&handle));
+  return opb::fused_matmul_add_relu::tf32_math(handle);
+}
+
+Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   const Shape s = check_inputs(lhs, rhs, bias);
   const opb::DType dtype = opb::dtype_of(lhs, kOp, "lhs");
-  c10::cuda::CUDAGuard guard(lhs.device());
-  at::Tensor out = lhs.new_empty(s.out);
+  const auto guard = opb::device_guard(lhs);
+  Tensor out = torch::stable::new_empty(lhs, s.out);
   if (out.numel() == 0) return out;
   if (s.k == 0) {  // the product is all zeros: relu(bias)
     if (bias.has_value()) {
-      out.copy_(bias->expand(s.out));
+      torch::stable::copy_(out, *bias);  // copy_ broadcasts bias to out's shape
     } else {
-      out.zero_();
+      torch::stable::zero_(out);
     }
-    return out.relu_();
+    return call_inplace("aten::relu_", out);
   }
 
   Problem p;
@@ -156,28 +178,34 @@ at::Tensor forward_cuda(const at::Tensor& lhs, const at::Tensor& rhs, const std:
   p.n = s.n;
   p.k = s.k;
   p.dtype = dtype;
-  p.allow_tf32 = dtype == opb::DType::Float32 && at::globalContext().allowTF32CuBLAS();
+  p.allow_tf32 = dtype == opb::DType::Float32 && allow_tf32();
   p.out = out.mutable_data_ptr();
-  const at::Tensor lhs_m = as_matrix(lhs, &p.lhs);
-  const at::Tensor rhs_m = as_matrix(rhs, &p.rhs);
+  const Tensor lhs_m = as_matrix(lhs, &p.lhs);
+  const Tensor rhs_m = as_matrix(rhs, &p.rhs);
 
-  at::Tensor bias_m;
+  Tensor bias_m;
   if (bias.has_value()) {
-    const at::Tensor& b = *bias;
+    const Tensor& b = *bias;
     auto dim = [&](int64_t i) { return i < b.dim() ? b.size(b.dim() - 1 - i) : int64_t(1); };  // from the right
     const int64_t bn = dim(0), bm = dim(1), bb = dim(2);
     if (bm == 1 && bb == 1) {
       // One value per output column ([N], [1, N], scalar): cuBLASLt's bias epilogue.
-      bias_m = b.reshape({bn}).expand({s.n}).contiguous();
+      const Tensor row = torch::stable::reshape(b, {bn});
+      if (bn == s.n) {
+        bias_m = torch::stable::contiguous(row);
+      } else {  // one value for every column: broadcast by copy_
+        bias_m = torch::stable::new_empty(b, {s.n});
+        torch::stable::copy_(bias_m, row);
+      }
       p.bias_vector = bias_m.const_data_ptr();
     } else if (bm == s.m && bn == s.n && bb == s.batch) {
       // The output's full shape: C = bias with beta = 1, so D = relu(A B + C) in the same pass.
-      bias_m = b.contiguous();
+      bias_m = torch::stable::contiguous(b);
       p.c = bias_m.const_data_ptr();
       p.c_batch_stride = s.batch > 1 ? s.m * s.n : 0;
     } else {
       // Other broadcasts ([M, 1], [M, N] over a batch, ...): written into out, added in place (C = D).
-      out.copy_(b.expand(s.out));
+      torch::stable::copy_(out, b);
       p.c = out.const_data_ptr();
       p.c_batch_stride = s.batch > 1 ? s.m * s.n : 0;
     }
@@ -192,11 +220,12 @@ at::Tensor forward_cuda(const at::Tensor& lhs, const at::Tensor& rhs, const std:
     p.c_batch_stride = 0;
   }
 
-  at::Tensor workspace = lhs.new_empty({kWorkspaceBytes}, lhs.options().dtype(at::kByte));
+  // From torch's caching allocator, stream-ordered: cheap per call, and CUDA graphs can capture it.
+  Tensor workspace = torch::stable::new_empty(lhs, {kWorkspaceBytes}, opb::ScalarType::Byte);
   const auto result = opb::fused_matmul_add_relu::launch(p, workspace.mutable_data_ptr(),
                                                          static_cast<size_t>(kWorkspaceBytes), opb::stream_of(lhs));
   if (result.status == Status::NotSupported) return forward_composed(lhs, rhs, bias);
-  TORCH_CHECK(result.status == Status::Ok, kOp, ": cuBLASLt matmul failed: ", result.message);
+  STD_TORCH_CHECK(result.status == Status::Ok, kOp, ": cuBLASLt matmul failed: ", result.message);
   return out;
 }
 #endif
@@ -205,8 +234,8 @@ at::Tensor forward_cuda(const at::Tensor& lhs, const at::Tensor& rhs, const std:
 
 OPB_LIBRARY(m) { m.def("fused_matmul_add_relu(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor"); }
 
-OPB_LIBRARY_IMPL(CPU, m) { m.impl("fused_matmul_add_relu", &forward_cpu); }
+OPB_LIBRARY_IMPL(CPU, m) { m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cpu)); }
 
 #ifdef OPB_WITH_CUDA
-OPB_LIBRARY_IMPL(CUDA, m) { m.impl("fused_matmul_add_relu", &forward_cuda); }
+OPB_LIBRARY_IMPL(CUDA, m) { m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cuda)); }
 #endif

@@ -7,6 +7,7 @@
 #include "fused_matmul_add_relu.cuh"
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 
 #include <array>
 #include <climits>
@@ -254,6 +255,14 @@ Result launch(const Problem& p, void* workspace, size_t workspace_bytes, cudaStr
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return {Status::Failed, cudaGetErrorString(err)};
   return {Status::Ok, ""};
+}
+
+bool tf32_math(void* cublas_handle) {
+  cublasMath_t mode = CUBLAS_DEFAULT_MATH;
+  if (cublas_handle == nullptr) return false;
+  if (cublasGetMathMode(static_cast<cublasHandle_t>(cublas_handle), &mode) != CUBLAS_STATUS_SUCCESS) return false;
+  // The low bits are the math mode; CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION is a flag above them.
+  return (static_cast<int>(mode) & 0xf) == CUBLAS_TF32_TENSOR_OP_MATH;
 }
 
 }  // namespace opb::fused_matmul_add_relu

@@ -55,4 +55,9 @@ struct Result {
 // workspace: device memory of workspace_bytes, stream-ordered on `stream`.
 Result launch(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// Whether the cuBLAS handle `cublas_handle` (a cublasHandle_t: torch's current one) is in TF32 math mode,
+// which torch sets on its handle from torch.backends.cuda.matmul.allow_tf32 each time it hands it out.
+// False when the mode cannot be read.
+bool tf32_math(void* cublas_handle);
+
 }  // namespace opb::fused_matmul_add_relu

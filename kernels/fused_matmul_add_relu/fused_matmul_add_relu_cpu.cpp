@@ -2,9 +2,9 @@
 // and applying ReLU, rows in parallel.
 #include "fused_matmul_add_relu_cpu.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -12,6 +12,9 @@
 #include "common/acc_type.h"
 
 namespace opb::fused_matmul_add_relu {
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
 namespace {
 
 template <typename T>
@@ -26,7 +29,7 @@ void bias_relu_typed(T* out, const T* bias, int64_t batch, int64_t rows, int64_t
   using A = acc_t<T>;
   // About 32K elements per task: large enough to amortise the thread pool, small enough to balance.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
-  at::parallel_for(0, batch * rows, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, batch * rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       T* o = out + i * cols;
       if (bias == nullptr) {
@@ -55,10 +58,10 @@ void bias_relu_cpu(void* out, const void* bias, int64_t batch, int64_t rows, int
       return bias_relu_typed(static_cast<float*>(out), static_cast<const float*>(bias), batch, rows, cols, bias_sb,
                              bias_sr, bias_sc);
     case DType::Float16:
-      return bias_relu_typed(static_cast<c10::Half*>(out), static_cast<const c10::Half*>(bias), batch, rows, cols,
+      return bias_relu_typed(static_cast<Half*>(out), static_cast<const Half*>(bias), batch, rows, cols,
                              bias_sb, bias_sr, bias_sc);
     case DType::BFloat16:
-      return bias_relu_typed(static_cast<c10::BFloat16*>(out), static_cast<const c10::BFloat16*>(bias), batch, rows,
+      return bias_relu_typed(static_cast<BFloat16*>(out), static_cast<const BFloat16*>(bias), batch, rows,
                              cols, bias_sb, bias_sr, bias_sc);
     case DType::Float64:
       return bias_relu_typed(static_cast<double*>(out), static_cast<const double*>(bias), batch, rows, cols, bias_sb,

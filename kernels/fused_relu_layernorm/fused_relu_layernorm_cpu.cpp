@@ -4,9 +4,9 @@
 // row length. Variance is two-pass over a row buffer that stays in L1.
 #include "fused_relu_layernorm_cpu.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +16,9 @@
 #include "common/acc_type.h"
 
 namespace opb::fused_relu_layernorm {
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
 namespace {
 
 template <typename A>
@@ -96,7 +99,7 @@ void forward_typed(const FwdArgs& a) {
   const int64_t n = a.hidden;
   const double eps = a.eps;
 
-  at::parallel_for(0, a.rows, row_grain(n), [&](int64_t r0, int64_t r1) {
+  torch::stable::parallel_for(0, a.rows, row_grain(n), [&](int64_t r0, int64_t r1) {
     std::vector<A> buf(n);
     // The weight and bias as A, once per task rather than once per element and row.
     std::vector<A> wa(w != nullptr ? n : 0), ba(b != nullptr ? n : 0);
@@ -175,10 +178,11 @@ void backward_typed(const BwdArgs& a) {
 
   // A fixed split of the rows into chunks, one partial dw/db row each, summed in chunk order below:
   // the result does not depend on how the thread pool schedules the chunks.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.rows, at::get_num_threads()));
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.rows, threads));
   const int64_t per_chunk = (a.rows + chunks - 1) / chunks;
   std::vector<A> part(affine ? 2 * chunks * n : 0, A(0));
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       A* pdw = affine ? part.data() + (2 * c) * n : nullptr;
       A* pdb = affine ? part.data() + (2 * c + 1) * n : nullptr;
@@ -191,7 +195,7 @@ void backward_typed(const BwdArgs& a) {
   if (!affine) return;
   T* dw = static_cast<T*>(a.dw);
   T* db = static_cast<T*>(a.db);
-  at::parallel_for(0, n, 4096, [&](int64_t j0, int64_t j1) {
+  torch::stable::parallel_for(0, n, 4096, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       A sw = A(0), sb = A(0);
       for (int64_t c = 0; c < chunks; ++c) {
@@ -209,8 +213,8 @@ void backward_typed(const BwdArgs& a) {
 void forward_cpu(const FwdArgs& args) {
   switch (args.dtype) {
     case DType::Float32: return forward_typed<float>(args);
-    case DType::Float16: return forward_typed<c10::Half>(args);
-    case DType::BFloat16: return forward_typed<c10::BFloat16>(args);
+    case DType::Float16: return forward_typed<Half>(args);
+    case DType::BFloat16: return forward_typed<BFloat16>(args);
     case DType::Float64: return forward_typed<double>(args);
   }
 }
@@ -218,8 +222,8 @@ void forward_cpu(const FwdArgs& args) {
 void backward_cpu(const BwdArgs& args) {
   switch (args.dtype) {
     case DType::Float32: return backward_typed<float>(args);
-    case DType::Float16: return backward_typed<c10::Half>(args);
-    case DType::BFloat16: return backward_typed<c10::BFloat16>(args);
+    case DType::Float16: return backward_typed<Half>(args);
+    case DType::BFloat16: return backward_typed<BFloat16>(args);
     case DType::Float64: return backward_typed<double>(args);
   }
 }

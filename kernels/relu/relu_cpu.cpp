@@ -1,24 +1,27 @@
 // relu on the CPU: y = max(x, 0), NaN kept. Contiguous buffers; chunks run in parallel.
 #include "relu_cpu.h"
 
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include "relu_mask.h"
 
 namespace opb::relu {
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
 namespace {
 
 template <typename T>
 void relu_typed(const T* x, T* y, int64_t n) {
   // 32K elements per task: large enough to amortise the thread pool, small enough to balance.
-  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       // `x < 0` is false for NaN, so NaN passes through as torch.relu does.
       y[i] = x[i] < T(0) ? T(0) : x[i];
@@ -31,7 +34,7 @@ void relu_typed(const T* x, T* y, int64_t n) {
 template <typename T, typename F>
 void for_each_tile(int64_t n, const F& f) {
   constexpr int64_t kTile = mask_tile(sizeof(T));
-  at::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, (n + kTile - 1) / kTile, 32768 / kTile, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) f(t, t * kTile, std::min(kTile, n - t * kTile));
   });
 }
@@ -96,8 +99,8 @@ template <typename F>
 void with_type(DType dtype, const F& f) {
   switch (dtype) {
     case DType::Float32: return f(float{});
-    case DType::Float16: return f(c10::Half{});
-    case DType::BFloat16: return f(c10::BFloat16{});
+    case DType::Float16: return f(Half{});
+    case DType::BFloat16: return f(BFloat16{});
     case DType::Float64: return f(double{});
   }
 }

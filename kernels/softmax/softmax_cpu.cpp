@@ -9,9 +9,9 @@
 // Arithmetic is float for float32/float16/bfloat16 and double for float64.
 #include "softmax_cpu.h"
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +21,9 @@
 #include <type_traits>
 
 namespace opb::softmax {
+
+using torch::headeronly::BFloat16;
+using torch::headeronly::Half;
 namespace {
 
 #if defined(__AVX512F__)
@@ -109,7 +112,7 @@ inline VecF load<float>(const float* p) {
 }
 
 template <>
-inline VecF load<c10::BFloat16>(const c10::BFloat16* p) {
+inline VecF load<BFloat16>(const BFloat16* p) {
   VecU16 h;
   std::memcpy(&h, p, sizeof h);
   const VecU bits = __builtin_convertvector(h, VecU) << 16;
@@ -126,7 +129,7 @@ inline void store<float>(float* p, VecF v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-// Round to nearest even, NaN to the quiet NaN, as c10::BFloat16's conversion does.
+// Round to nearest even, NaN to the quiet NaN, as BFloat16's conversion does.
 inline VecU16 to_bf16(VecF v) {
   const VecU bits = (VecU)v;
   const VecU rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
@@ -135,7 +138,7 @@ inline VecU16 to_bf16(VecF v) {
 }
 
 template <>
-inline void store<c10::BFloat16>(c10::BFloat16* p, VecF v) {
+inline void store<BFloat16>(BFloat16* p, VecF v) {
   const VecU16 h = to_bf16(v);
   std::memcpy(p, &h, sizeof h);
 }
@@ -274,7 +277,7 @@ int64_t grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64
 
 template <typename T>
 void forward_typed(const T* x, T* y, int64_t rows, int64_t cols) {
-  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
     if constexpr (std::is_same_v<T, double>) {
       for (int64_t r = begin; r < end; ++r) forward_row_f64(x + r * cols, y + r * cols, cols);
     } else if (cols <= kCachedCols) {
@@ -289,7 +292,7 @@ void forward_typed(const T* x, T* y, int64_t rows, int64_t cols) {
 
 template <typename T>
 void backward_typed(const T* y, const T* dy, T* dx, int64_t rows, int64_t cols) {
-  at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if constexpr (std::is_same_v<T, double>) {
         backward_row_f64(y + r * cols, dy + r * cols, dx + r * cols, cols);
@@ -308,9 +311,9 @@ void forward_cpu(const void* x, void* y, int64_t rows, int64_t cols, DType dtype
     case DType::Float32:
       return forward_typed(static_cast<const float*>(x), static_cast<float*>(y), rows, cols);
     case DType::Float16:
-      return forward_typed(static_cast<const c10::Half*>(x), static_cast<c10::Half*>(y), rows, cols);
+      return forward_typed(static_cast<const Half*>(x), static_cast<Half*>(y), rows, cols);
     case DType::BFloat16:
-      return forward_typed(static_cast<const c10::BFloat16*>(x), static_cast<c10::BFloat16*>(y), rows, cols);
+      return forward_typed(static_cast<const BFloat16*>(x), static_cast<BFloat16*>(y), rows, cols);
     case DType::Float64:
       return forward_typed(static_cast<const double*>(x), static_cast<double*>(y), rows, cols);
   }
@@ -323,11 +326,11 @@ void backward_cpu(const void* y, const void* grad_y, void* grad_x, int64_t rows,
       return backward_typed(static_cast<const float*>(y), static_cast<const float*>(grad_y),
                             static_cast<float*>(grad_x), rows, cols);
     case DType::Float16:
-      return backward_typed(static_cast<const c10::Half*>(y), static_cast<const c10::Half*>(grad_y),
-                            static_cast<c10::Half*>(grad_x), rows, cols);
+      return backward_typed(static_cast<const Half*>(y), static_cast<const Half*>(grad_y),
+                            static_cast<Half*>(grad_x), rows, cols);
     case DType::BFloat16:
-      return backward_typed(static_cast<const c10::BFloat16*>(y), static_cast<const c10::BFloat16*>(grad_y),
-                            static_cast<c10::BFloat16*>(grad_x), rows, cols);
+      return backward_typed(static_cast<const BFloat16*>(y), static_cast<const BFloat16*>(grad_y),
+                            static_cast<BFloat16*>(grad_x), rows, cols);
     case DType::Float64:
       return backward_typed(static_cast<const double*>(y), static_cast<const double*>(grad_y),
                             static_cast<double*>(grad_x), rows, cols);

@@ -3,7 +3,7 @@ from opbuilder.builders.base import BuiltinBuilder
 
 class FusedMatmulAddReluBuilder(BuiltinBuilder):
     NAME = "fused_matmul_add_relu"
-    CUDA_LIBRARIES = ("cublasLt",)
+    CUDA_LIBRARIES = ("cublasLt", "cublas")
 
     def sources(self) -> list[str]:
         return [

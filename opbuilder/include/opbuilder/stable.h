@@ -1,0 +1,126 @@
+// Helpers for an op's torch-facing binding (.cpp) on the LibTorch stable ABI: dtype mapping, checks,
+// outputs, streams. Headers that parse in about a second, and a binary that loads in later torch
+// versions (the builder passes -DTORCH_TARGET_VERSION). Everything here exists at torch 2.10.
+#pragma once
+
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+// Including this header makes the file a stable-ABI binding: <opbuilder/library.h> registers through
+// STABLE_TORCH_LIBRARY even where the builder's -DOPB_STABLE_ABI is missing (a hand-made compile).
+#ifndef OPB_STABLE_ABI
+#define OPB_STABLE_ABI
+#endif
+#include <opbuilder/dtype.h>
+#include <opbuilder/library.h>
+
+#ifdef OPB_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+// torch's shim declares this under USE_CUDA only, which an extension does not define. It is part of
+// the C shim since torch 2.3, exported by libtorch_cuda.
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index,
+                                                                              void** ret_stream);
+#endif
+
+namespace opb {
+
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+
+// The launcher-side element type of `t`, or a RuntimeError naming the op and the argument.
+inline DType dtype_of(const Tensor& t, const char* op, const char* arg) {
+  switch (t.scalar_type()) {
+    case ScalarType::Float: return DType::Float32;
+    case ScalarType::Half: return DType::Float16;
+    case ScalarType::BFloat16: return DType::BFloat16;
+    case ScalarType::Double: return DType::Float64;
+    default:
+      STD_TORCH_CHECK(false, op, ": ", arg, " must be float32, float16, bfloat16 or float64, got ", t.scalar_type());
+  }
+  return DType::Float32;  // not reached
+}
+
+// "[4, 8]": a shape as torch prints it in error messages.
+inline std::string shape_str(torch::headeronly::IntHeaderOnlyArrayRef sizes) {
+  std::string out = "[";
+  for (size_t d = 0; d < sizes.size(); ++d) out += (d ? ", " : "") + std::to_string(sizes[d]);
+  return out + "]";
+}
+
+// "cpu", "cuda:0": a tensor's device as torch prints it.
+inline std::string device_str(const Tensor& t) {
+  const torch::stable::Device d = t.device();
+  std::string name;
+  switch (d.type()) {
+    case torch::headeronly::DeviceType::CPU: name = "cpu"; break;
+    case torch::headeronly::DeviceType::CUDA: name = "cuda"; break;
+    case torch::headeronly::DeviceType::Meta: name = "meta"; break;
+    default: name = "device type " + std::to_string(static_cast<int>(d.type()));
+  }
+  return d.has_index() ? name + ":" + std::to_string(d.index()) : name;
+}
+
+inline bool same_device(const Tensor& a, const Tensor& b) { return a.device() == b.device(); }
+
+inline bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equals(b.sizes()); }
+
+// A hint for a fresh CPU buffer: back it with transparent huge pages before the first write. On Linux
+// with THP in "madvise" mode a fresh 64 MB output otherwise costs 16384 page faults, which can take
+// longer than the op itself. A hint only: errors are ignored.
+inline void advise_huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (data == nullptr || bytes < 2 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
+// A fresh tensor of `sizes` and `dtype` on like's device; on the CPU with the huge-page hint, which
+// every large output written once wants.
+inline Tensor new_tensor(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
+  Tensor t = torch::stable::new_empty(like, sizes, dtype);
+  if (t.is_cpu()) advise_huge_pages(t.mutable_data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  return t;
+}
+
+// An op's output: contiguous, shaped and typed like `like`, on its device.
+inline Tensor new_output(const Tensor& like) { return new_tensor(like, like.sizes(), like.scalar_type()); }
+
+#ifdef OPB_WITH_CUDA
+// The stream torch is using on `t`'s device: kernels launched on it order with torch's own work.
+inline cudaStream_t stream_of(const Tensor& t) {
+  void* stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream));
+  return static_cast<cudaStream_t>(stream);
+}
+
+inline void check_launch(cudaError_t err, const char* op) {
+  STD_TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// Makes `t`'s device current while the returned guard lives (torch's allocator and our launches both
+// follow it): `const auto guard = opb::device_guard(x);`.
+inline torch::stable::accelerator::DeviceGuard device_guard(const Tensor& t) {
+  return torch::stable::accelerator::DeviceGuard(t.get_device_index());
+}
+#endif
+
+}  // namespace opb
