@@ -252,9 +252,18 @@ def _clear_interrupted(work: Path) -> None:
             so.unlink()
 
 
+# What torch.utils.cpp_extension reads from the environment when it writes a build file.
+_CPP_EXTENSION_ENV = ("CXX", "CC", "PYTORCH_NVCC", "CUDA_HOME", "CUDA_PATH", "TORCH_CUDA_ARCH_LIST",
+                      "TORCH_EXTENSION_SKIP_NVCC_GEN_DEPENDENCIES", "TORCH_DONT_CHECK_COMPILER_ABI")
+
+
 def write_ninja(spec, work: Path) -> Path:
-    """Snapshot the sources and write ``work/build.ninja`` through torch.utils.cpp_extension."""
-    from torch.utils import cpp_extension as cpp
+    """Snapshot the sources and write ``work/build.ninja`` through torch.utils.cpp_extension.
+
+    The file is generated again only when what it is made from changed (the arguments, torch, the
+    variables cpp_extension reads): importing cpp_extension costs a large part of a small rebuild.
+    """
+    import torch
 
     _snapshot(spec, work)
     gen = work / GEN_DIR
@@ -263,6 +272,18 @@ def write_ninja(spec, work: Path) -> Path:
     includes = [str(snapshot_path(work, p)) for p in spec.include_paths]
     # Headers no include path predicts are still found where they are (and then keyed: _discover).
     fallback = [f"-idirafter{d}" for d in dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)])]
+    cxx = toolchain.cxx_path()
+    nvcc = toolchain.nvcc_path() if spec.with_cuda else None
+    made_from = json.dumps([spec.name, sources, includes, fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
+                            spec.with_cuda, cxx, nvcc, torch.__version__, torch.__file__,
+                            {k: os.environ.get(k) for k in _CPP_EXTENSION_ENV}], sort_keys=True)
+    memo = work / "build.ninja.from"
+    target = work / "build.ninja"
+    with contextlib.suppress(OSError):
+        if target.is_file() and memo.read_text() == made_from:
+            return target
+    from torch.utils import cpp_extension as cpp
+
     if spec.with_cuda and cpp.CUDA_HOME and toolchain.cuda_home():
         if os.path.realpath(cpp.CUDA_HOME) != os.path.realpath(toolchain.cuda_home()):
             raise BuildError(
@@ -279,15 +300,14 @@ def write_ninja(spec, work: Path) -> Path:
     )
     text = draft.read_text()
     # Run exactly the compilers the key names (cpp_extension re-reads CXX itself).
-    cxx = toolchain.cxx_path()
     if cxx:
         text = re.sub(r"^cxx = .*$", lambda _m: f"cxx = {cxx}", text, count=1, flags=re.MULTILINE)
-    nvcc = toolchain.nvcc_path() if spec.with_cuda else None
     if nvcc:
         text = re.sub(r"^nvcc = .*$", lambda _m: f"nvcc = {nvcc}", text, count=1, flags=re.MULTILINE)
-    _write_if_changed(work / "build.ninja", text.encode())
+    _write_if_changed(target, text.encode())
     draft.unlink()
-    return work / "build.ninja"
+    memo.write_text(made_from)
+    return target
 
 
 # ---- running ninja ---------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
+from opbuilder import sharding
 from opbuilder.lazy import LazyOps
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -93,6 +94,15 @@ def _register(ns: str) -> None:
         return grad_input if need[0] else None, grad_weight if need[1] else None, None
 
     torch.library.register_autograd(f"{ns}::rms_norm", backward_rms, setup_context=setup_rms)
+
+    # DTensor: rows split on any dim but the normalised last one, weight replicated; grad_weight sums over
+    # the rows, so with rows split it is Partial (what makes sequence parallelism right); the backward is
+    # linear in the incoming gradients.
+    sharding.rowwise(lib.fused_add_rmsnorm.default, params=["weight"])
+    sharding.rowwise(lib.rms_norm.default, params=["weight"])
+    grads = ["grad_out", "grad_residual_out"]
+    sharding.rowwise(lib.fused_add_rmsnorm_backward.default, params=["weight"], reduced=[1], linear=grads)
+    sharding.rowwise(lib.fused_add_rmsnorm_backward.two_grads, params=["weight"], reduced=[2], linear=grads)
 
 
 _ops = LazyOps("fused_add_rmsnorm", _register)

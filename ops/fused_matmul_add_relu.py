@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
+from opbuilder import sharding
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
@@ -79,6 +80,10 @@ def _register(ns: str) -> None:
         return grad_lhs, grad_rhs, grad_bias
 
     torch.library.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
+
+    # DTensor: mm/bmm's rules (split B, M or N; the bias like the output); K is not split, as the ReLU
+    # cannot be applied to partial sums.
+    sharding.matmul(getattr(getattr(torch.ops, ns), _OP).default)
 
 
 _ops = LazyOps(_OP, _register)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same, check_tensor
+from opbuilder import sharding
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
@@ -53,6 +54,12 @@ def _register(ns: str) -> None:
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
 
     torch.library.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
+
+    # DTensor: rows (and mean, rstd) split on any dim but the normalised last one, weight and bias replicated;
+    # grad_weight and grad_bias sum over the rows (Partial when they are split); linear in grad_y.
+    lib = getattr(torch.ops, ns)
+    sharding.rowwise(lib.fused_relu_layernorm.default, params=["weight", "bias"])
+    sharding.rowwise(lib.fused_relu_layernorm_backward.default, params=["weight"], reduced=[1, 2], linear=["grad_y"])
 
 
 _ops = LazyOps(_OP, _register)

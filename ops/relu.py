@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float
+from opbuilder import sharding
 from opbuilder.lazy import LazyOps
 
 
@@ -67,6 +68,28 @@ def _register(ns: str) -> None:
     torch.library.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
                                     setup_context=setup_mask_backward)
 
+    # DTensor: relu keeps any layout. relu_mask's mask packs the sign bits of each rank's own piece of x:
+    # not a piece of the whole x's mask, and silent on how x was split. So it is made only beside a y
+    # split on dim 0 (an x split on another dim is moved to dim 0 first) or a whole y, and its backward
+    # takes a grad_y laid out like that y.
+    def mask_rule(x):
+        from torch.distributed.tensor import Replicate, Shard  # called only once DTensor is imported
+
+        split = [([Shard(0), Shard(0)], [Shard(0)])] if x.ndim else []
+        return [([Replicate(), Replicate()], [Replicate()])] + split
+
+    def mask_backward_rule(grad_y, mask):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        # (grad_x, [grad_y, mask]); linear in grad_y, so a Partial grad_y may pass with a whole mask.
+        return [([Replicate()], [Replicate(), Replicate()]), ([Shard(0)], [Shard(0), Shard(0)]),
+                ([Partial()], [Partial(), Replicate()])]
+
+    lib = getattr(torch.ops, ns)
+    sharding.elementwise(lib.relu.default)
+    sharding.custom(lib.relu_mask.default, mask_rule)
+    sharding.custom(lib.relu_mask_backward.default, mask_backward_rule)
+
 
 _ops = LazyOps("relu", _register)
 
@@ -89,7 +112,8 @@ def relu_mask_backward_op() -> torch._ops.OpOverload:
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
     check_float("relu", "x", x)
-    if x.requires_grad and torch.is_grad_enabled():
+    # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
+    if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]
     return relu_op()(x)
 

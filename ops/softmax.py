@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float
+from opbuilder import sharding
 from opbuilder.lazy import LazyOps
 
 _OP = "softmax"
@@ -63,6 +64,10 @@ def _register(ns: str) -> None:
 
     # torch.softmax runs in float32 under CUDA autocast (float64 kept); so does this op.
     torch.library.register_autocast(f"{ns}::forward", "cuda", torch.float32)
+
+    # DTensor: rows split on any dim but the last (the one softmax reads whole); the backward is linear in grad_y.
+    sharding.rowwise(ops.forward.default)
+    sharding.rowwise(ops.backward.default, linear=["grad_y"])
 
 
 _ops = LazyOps(_OP, _register)
