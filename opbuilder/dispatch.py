@@ -62,18 +62,16 @@ class Router:
         resolve(self.op)
         table = self.table
         if table:
-            x = args[0] if args and hasattr(args[0], "dtype") else _first_tensor(args)
-            fn = table.get((x.device.type, x.dtype, _bucket(x)), self.default)
-        else:
-            fn = self.default
-        return fn(*args, **kwargs)
+            x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args)
+            # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
+            key = (x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
+            return table.get(key, self.default)(*args, **kwargs)
+        return self.default(*args, **kwargs)
 
     def pick(self, *args: Any) -> str:
         """The name of the implementation a call with these arguments goes to (resolving first)."""
-        if self.table is None:
-            resolve(self.op)
-        x = _first_tensor(args)
-        return self.picks.get((x.device.type, x.dtype, _bucket(x)), self.default_name)
+        resolve(self.op)
+        return self.picks.get(_key(_first_tensor(args)), self.default_name)
 
 
 def _first_tensor(args: tuple) -> Any:
@@ -82,9 +80,15 @@ def _first_tensor(args: tuple) -> Any:
     return first_tensor(args)
 
 
-def _bucket(x: Any) -> tuple[int, bool]:
-    # trace.bucket, inline: this runs on every routed call
-    return x.numel().bit_length(), (x.shape[-1] % 8 == 0) if x.dim() else True
+def _key(x: Any) -> tuple:
+    """A call's (on a GPU, dtype, size class, last dim a multiple of 8): trace.bucket's facts, flat."""
+    return x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0
+
+
+def _flat(where: tuple) -> tuple:
+    """A trace's (device type, dtype, bucket) as ``_key`` makes it."""
+    device, dtype, (size, aligned) = where
+    return device == "cuda", dtype, size, aligned
 
 
 _LOCK = threading.RLock()
@@ -175,9 +179,10 @@ def _resolve(op: str) -> bool:
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
         warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
+    picks = {_flat(where): name for where, name in picks.items()}
     r.picks, r.default_name, r.default = picks, default_name, default
-    r.table = {where: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
-               for where, name in picks.items()}
+    r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
+               for key, name in picks.items()}
     if op in BUILDERS and not picks and default is _continue:
         # The direct path: today's call plus one dict lookup. While Dynamo traces, the op stays in ROUTES
         # (its router sends the call to the body all the same): the guards made after the trace read it.
