@@ -80,6 +80,10 @@ def _call(impl: Implementation, inputs: list) -> Any:
 def check(op: str, device: str | torch.device = "cpu", names: list[str] | None = None) -> list[Row]:
     """One row per implementation and workload (the definition's for this device, then the edge shapes)."""
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{op}: --device cuda, but this torch sees no GPU ({torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: device must be cpu or cuda, got {device.type!r}")
     definition = definitions.get(op)
     impls = [i for i in implementations.of(op) if names is None or i.name in names]
     rows = []

@@ -168,6 +168,9 @@ def test_cli_names_an_unknown_op(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["check", "no_such_op"]) == 1
     err = capsys.readouterr().err
     assert "no op definition named 'no_such_op'" in err and "fused_add_rmsnorm" in err
+    if not torch.cuda.is_available():
+        assert cli.main(["check", "relu", "--device", "cuda"]) == 1
+        assert "--device cuda, but this torch sees no GPU" in capsys.readouterr().err
 
 
 def test_every_status_of_a_python_implementation(two_versions: str) -> None:
