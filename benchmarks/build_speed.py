@@ -106,8 +106,8 @@ def edit_loop(repeat: int, abi: str) -> dict:
     return {"case": f"edit the kernel of a 2-file op ({abi} binding), then load", "ours": ours, "peer": peer}
 
 
-def cuda_cases(repeat: int) -> list[dict]:
-    out = [cold_relu(repeat, "cuda")]
+def cuda_cases(repeat: int):
+    yield cold_relu(repeat, "cuda")
     times = []
     for _ in range(repeat):
         with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +117,7 @@ def cuda_cases(repeat: int) -> list[dict]:
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr[-3000:])
             times.append(time.perf_counter() - started)
-    out.append({"case": "opbuilder build --all from an empty cache (whole command)", "ours": times, "peer": []})
+    yield {"case": "opbuilder build --all from an empty cache (whole command)", "ours": times, "peer": []}
     kernels = HERE.parent / "kernels" / "softmax" / "softmax_forward.cu"
     original = kernels.read_text()
     times = []
@@ -131,8 +131,7 @@ def cuda_cases(repeat: int) -> list[dict]:
                 times.append(run(body, env)[1])
         finally:
             kernels.write_text(original)
-    out.append({"case": "edit softmax_forward.cu, then load + first call", "ours": times, "peer": []})
-    return out
+    yield {"case": "edit softmax_forward.cu, then load + first call", "ours": times, "peer": []}
 
 
 def main() -> None:
@@ -143,19 +142,21 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("ninja") is None:
         sys.exit("ninja is needed (pip install ninja)")
-    results = [cold_relu(args.repeat, "cpu"), edit_loop(args.repeat, "stable"), edit_loop(args.repeat, "classic")]
-    if args.cuda:
-        results += cuda_cases(args.repeat)
-    print(f"{'case':<62} {'opbuilder s':>12} {'cpp_extension.load s':>21} {'ratio':>6}")
-    for r in results:
-        ours = statistics.median(r["ours"])
-        peer = statistics.median(r["peer"]) if r["peer"] else None
-        ratio = f"{peer / ours:.1f}x" if peer else "-"
-        print(f"{r['case']:<62} {ours:>12.2f} {peer if peer is None else round(peer, 2)!s:>21} {ratio:>6}")
+    print(f"{'case':<62} {'opbuilder s':>12} {'cpp_extension.load s':>21} {'ratio':>6}", flush=True)
+    steps = [lambda: [cold_relu(args.repeat, "cpu")], lambda: [edit_loop(args.repeat, "stable")],
+             lambda: [edit_loop(args.repeat, "classic")]] + ([lambda: cuda_cases(args.repeat)] if args.cuda else [])
+    results: list[dict] = []
+    for step in steps:  # each row as soon as it is measured
+        for r in step():
+            results.append(r)
+            ours = statistics.median(r["ours"])
+            peer = statistics.median(r["peer"]) if r["peer"] else None
+            ratio = f"{peer / ours:.1f}x" if peer else "-"
+            print(f"{r['case']:<62} {ours:>12.2f} {peer if peer is None else round(peer, 2)!s:>21} {ratio:>6}", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
     imports = [t for r in results for t in r.get("import_torch", [])]
     print(f"(medians of {args.repeat}; `import torch` itself, not counted above: {statistics.median(imports):.2f} s)")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ step() { echo "=== $* ($(date +%T))"; }
 step install
 $py -m pip install --no-deps --no-build-isolation -e . -q >/tmp/opb-install.log 2>&1 || { tail -20 /tmp/opb-install.log; exit 1; }
 $py -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+# Liger-Kernel, the benchmark's peer: the machine has no network, so its wheel travels along (carry .whl).
+for wheel in .whl/liger_kernel-*.whl; do
+    [ -f "$wheel" ] && { $py -m pip install --no-deps -q "$wheel" && echo "installed $wheel"; }
+done
 
 step "a C++ check's error reaches Python (no crash), CPU and CUDA"
 cat >/tmp/opb_errors.py <<'PY'

@@ -1,5 +1,13 @@
 """opbuilder: build C++/CUDA ops for PyTorch on first use, into a content-addressed cache."""
 
+from pathlib import Path as _Path
+
+# In a source checkout ops/ lies beside this folder: map it to opbuilder.ops as an install does (two stats).
+if not (_Path(__file__).parent / "ops").is_dir() and (_Path(__file__).parent.parent / "ops" / "__init__.py").is_file():
+    from opbuilder import _checkout
+
+    _checkout.install()
+
 from opbuilder.builder import OpBuilder
 from opbuilder.dispatch import apply
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, UnknownOpError

@@ -73,6 +73,10 @@ def build_and_load(spec: BuildSpec) -> Any:
     build_dir = ensure_built(spec, reject_build_id=unloadable)
     artifact, manifest, why = cache.check_build(build_dir)
     if artifact is None or manifest is None:
+        # Removed between our lock's release and this look (`opbuilder clean`): build it once more.
+        build_dir = ensure_built(spec)
+        artifact, manifest, why = cache.check_build(build_dir)
+    if artifact is None or manifest is None:
         raise BuildError(f"opbuilder: the build of {spec.op} in {build_dir} is unusable: {why}")
     try:
         return loader.load_artifact(spec.op, spec.key, artifact, manifest)
@@ -128,7 +132,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
     cache.ensure_dir(slot.op_dir)
     cache.check_trusted(slot)
     cache.refuse_symlink(slot.lock_path)
-    lock = FileLock(str(slot.lock_path))
+    lock = FileLock(str(slot.lock_path), mode=cache.lock_mode())
     waited_since = time.time()
     deadline = waited_since + env.lock_timeout()
     waited = False
@@ -177,9 +181,11 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
     work = ninja_build.work_dir(spec.op, spec.inputs)
     tmp_dir = slot.new_tmp_dir()
     try:
-        with FileLock(str(work) + ".lock"):
+        with FileLock(str(work) + ".lock", mode=cache.lock_mode()):
             try:
                 result = ninja_build.build(spec, say)
+            except OSError as exc:  # the snapshot or the work folder could not be written
+                raise cache.cache_error(work, exc) from exc
             except ninja_build.CompileFailed as failed:
                 log_text = failed.args[0]
                 full = _DISK_FULL.search(log_text)
@@ -259,7 +265,7 @@ def _reason(spec: BuildSpec, slot: cache.Slot) -> str:
 
 
 _DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded|File too large|File size limit exceeded")
-_ERROR_LINE = re.compile(r"(error|Error:|undefined reference|FAILED:)")
+_ERROR_LINE = re.compile(r"(error|Error:|fatal|undefined reference|FAILED:)")
 
 
 def _failure_message(spec: BuildSpec, log_text: str) -> str:

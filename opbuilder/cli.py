@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     new = sub.add_parser("new", help="write a working skeleton of your own op (builder, kernels, binding, test)")
     new.add_argument("name", metavar="NAME", help="the op's name, lower_snake_case")
     new.add_argument("--cuda", action="store_true", help="add a CUDA kernel beside the CPU one")
+    new.add_argument("--abi", choices=("stable", "classic"), default="stable",
+                     help="binding on the LibTorch stable ABI (default: ~1 s to compile, loads in torch 2.10 and "
+                          "later) or classic torch/library.h + ATen (~6 s, tied to one torch version)")
     new.add_argument("--dir", default=".", type=Path, help="folder to write NAME/ into (default: here)")
 
     chk = sub.add_parser("check", help="every implementation of an op against a float64 reference, with a status each")
@@ -339,12 +342,12 @@ def _new(args: argparse.Namespace) -> int:
     from opbuilder import scaffold
 
     try:
-        written = scaffold.create(args.name, args.dir, cuda=args.cuda)
+        written = scaffold.create(args.name, args.dir, cuda=args.cuda, abi=args.abi)
     except (ValueError, FileExistsError) as exc:
         _err(str(exc))
         return USAGE_ERROR
     root = Path(args.dir) / args.name
-    print(f"wrote {root}/ ({'CPU and CUDA' if args.cuda else 'CPU'}):")
+    print(f"wrote {root}/ ({'CPU and CUDA' if args.cuda else 'CPU'}, {args.abi} ABI):")
     for path in written:
         print(f"  {path.relative_to(args.dir)}")
     cd = "" if Path(args.dir) == Path(".") else f"cd {args.dir} && "

@@ -78,6 +78,8 @@ def work_dir(op: str, inputs: dict) -> Path:
     ``<root>/.work/<op>-<hash>/`` (beside the ops' folders, so it is never taken for a build)."""
     settings = {k: v for k, v in inputs.items() if k not in ("files", "discovered", "builder_version")}
     settings["sources"] = sorted(inputs.get("files", {}))
+    if env.trust_shared_cache():  # objects are private to each user, even in a shared cache
+        settings["uid"] = os.getuid()
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return env.cache_root() / WORK_ROOT / f"{op}-{digest}"
 
@@ -162,7 +164,7 @@ def _end_session(sid: int) -> None:
                     fields = fh.read().rsplit(b")", 1)[1].split()
             except OSError:
                 continue
-            if len(fields) > 4 and int(fields[4]) == sid:  # field 6 of stat: the session id
+            if len(fields) > 3 and int(fields[3]) == sid:  # field 6 of stat: the session id
                 victims.append(int(entry))
     if not victims:
         with contextlib.suppress(OSError):
@@ -271,10 +273,13 @@ def write_ninja(spec, work: Path) -> Path:
     sources = [str(snapshot_path(work, s)) for s in spec.sources] + [str(gen / _NAMESPACE_TU)]
     includes = [str(snapshot_path(work, p)) for p in spec.include_paths]
     # Headers no include path predicts are still found where they are (and then keyed: _discover).
-    fallback = [f"-idirafter{d}" for d in dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)])]
+    originals = list(dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)]))
+    fallback = [f"-idirafter{d}" for d in originals]
+    # nvcc has no -idirafter; its -I here come after the snapshot's (cpp_extension puts those first).
+    cuda_fallback = [f"-I{d}" for d in originals]
     cxx = toolchain.cxx_path()
     nvcc = toolchain.nvcc_path() if spec.with_cuda else None
-    made_from = json.dumps([spec.name, sources, includes, fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
+    made_from = json.dumps([spec.name, sources, includes, fallback, cuda_fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
                             spec.with_cuda, cxx, nvcc, torch.__version__, torch.__file__,
                             {k: os.environ.get(k) for k in _CPP_EXTENSION_ENV}], sort_keys=True)
     memo = work / "build.ninja.from"
@@ -295,7 +300,7 @@ def write_ninja(spec, work: Path) -> Path:
     draft = work / "build.ninja.draft"
     cpp._write_ninja_file_to_build_library(
         path=str(draft), name=spec.name, sources=sources, extra_cflags=[*spec.cxx_args, *fallback],
-        extra_cuda_cflags=[*spec.nvcc_args, *fallback], extra_sycl_cflags=[], extra_ldflags=ldflags,
+        extra_cuda_cflags=[*spec.nvcc_args, *cuda_fallback], extra_sycl_cflags=[], extra_ldflags=ldflags,
         extra_include_paths=includes, with_cuda=spec.with_cuda, with_sycl=False, is_standalone=False,
     )
     text = draft.read_text()

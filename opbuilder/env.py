@@ -26,6 +26,7 @@ VARIABLES: dict[str, str] = {
     "CC": "nvcc's host compiler (-ccbin), as torch.utils.cpp_extension uses it; part of the cache key.",
     "PYTORCH_NVCC": "The nvcc command torch.utils.cpp_extension runs instead of $CUDA_HOME/bin/nvcc; part of the key.",
     "OPB_DEBUG": "1 builds with debug info (host -g, device -lineinfo) into its own key; 'device' adds nvcc -G.",
+    "LD_LIBRARY_PATH": "Read (never set) to find the OpenMP runtime torch's library links, as the dynamic loader does.",
 }
 
 
@@ -113,6 +114,10 @@ def cuda_home_hint() -> str | None:
 
 def path_dirs() -> list[str]:
     return (os.environ.get("PATH") or "").split(os.pathsep)
+
+
+def ld_library_path() -> list[str]:
+    return [d for d in (os.environ.get("LD_LIBRARY_PATH") or "").split(os.pathsep) if d]
 
 
 def trust_shared_cache() -> bool:

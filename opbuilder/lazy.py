@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from opbuilder.builder import OpBuilder
+from opbuilder.eager import EagerOps
 
 _ENTRIES: dict[str, tuple[str | OpBuilder, Callable[[str], None]]] = {}
 _NAMESPACES: dict[str, str] = {}
@@ -50,6 +51,15 @@ class LazyOps:
     def __init__(self, builder: str | OpBuilder, register: Callable[[str], None]) -> None:
         self.entry = builder if isinstance(builder, str) else f"{type(builder).__module__}.{type(builder).__qualname__}"
         _ENTRIES[self.entry] = (builder, register)
+        self._eager: EagerOps | None = None
 
     def __call__(self) -> Any:
         return getattr(torch.ops, namespace_of(self.entry))
+
+    def eager(self) -> EagerOps:
+        """The loaded ops' direct entries for eager calls (``opbuilder.eager``), bound once: later calls
+        cost one attribute read. Not for code Dynamo traces (use ``self()`` there)."""
+        ops = self._eager
+        if ops is None:
+            ops = self._eager = EagerOps(self())
+        return ops

@@ -1,8 +1,11 @@
-"""Loading a built artifact into this process: a dlopen, nothing else."""
+"""Loading a built artifact into this process: a dlopen of the very file that was checked."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +13,11 @@ from typing import Any
 from opbuilder import cache
 
 _LOADED: dict[tuple[str, str], Any] = {}
+
+# Descriptors of the loaded artifacts, kept open for the life of the process: the dynamic loader
+# knows each library by the name it was opened with (/proc/self/fd/N) and would hand back the old
+# library for a later dlopen of a reused N.
+_PINNED: list[int] = []
 
 
 def load_cached(op: str, key: str) -> tuple[Any | None, str | None]:
@@ -32,22 +40,72 @@ def load_cached(op: str, key: str) -> tuple[Any | None, str | None]:
         return None, str(manifest.get("build_id"))
 
 
+def _fd_path(fd: int) -> str | None:
+    path = f"/proc/self/fd/{fd}"
+    return path if os.path.exists(path) else None
+
+
 def load_artifact(op: str, key: str, artifact: Path, manifest: dict) -> Any:
     """Load a library registering Torch ops (returns its ``torch.ops`` namespace) or a Python
-    extension module (returns the module). Raises OSError or ImportError when the file is bad."""
-    if manifest.get("python_module"):
-        name = manifest["module_name"]
-        spec = importlib.util.spec_from_file_location(name, artifact)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {artifact} as module {name}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-        handle: Any = module
-    else:
-        import torch
+    extension module (returns the module).
 
-        torch.ops.load_library(str(artifact))
-        handle = getattr(torch.ops, manifest["namespace"])
+    The file is opened without following links and checked open (``cache.open_artifact``), then loaded
+    through its descriptor, so a file or folder swapped in after the check is never loaded. Raises
+    CacheError when it is not safe to load, OSError or ImportError when the file is bad.
+    """
+    fd = cache.open_artifact(artifact, manifest)
+    # Where /proc is missing the path is all there is: the checks above still ran on that file.
+    via = _fd_path(fd) or str(artifact)
+    try:
+        handle = _load_python_module(manifest["module_name"], via, artifact) if manifest.get("python_module") \
+            else _load_torch_library(via, artifact, manifest["namespace"])
+    except BaseException:
+        os.close(fd)
+        raise
+    _PINNED.append(fd)
     _LOADED[(op, key)] = handle
     return handle
+
+
+def _load_python_module(name: str, via: str, artifact: Path) -> Any:
+    # The file name has no extension suffix, so the loader is named rather than guessed from it.
+    spec = importlib.util.spec_from_file_location(name, via, loader=importlib.machinery.ExtensionFileLoader(name, via))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {artifact} as module {name}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.__file__ = str(artifact)  # where it lives, for people reading tracebacks
+    sys.modules[name] = module
+    return module
+
+
+def _load_torch_library(via: str, artifact: Path, namespace: str) -> Any:
+    import ctypes
+
+    import torch
+
+    # torch.ops.load_library(path) would resolve /proc/self/fd/N back to a path (realpath) and open
+    # that: do what it does (a global dlopen, the path remembered) on the descriptor instead.
+    try:
+        from torch._ops import dl_open_guard
+    except ImportError:  # a torch without it: RTLD_GLOBAL by hand
+        dl_open_guard = _global_dlopen
+    with dl_open_guard():
+        try:
+            ctypes.CDLL(via)
+        except OSError as exc:
+            raise OSError(f"could not load {artifact}: {exc}") from exc
+    torch.ops.loaded_libraries.add(str(artifact))
+    return getattr(torch.ops, namespace)
+
+
+@contextlib.contextmanager
+def _global_dlopen():
+    import ctypes
+
+    old = sys.getdlopenflags()
+    sys.setdlopenflags(old | ctypes.RTLD_GLOBAL)
+    try:
+        yield
+    finally:
+        sys.setdlopenflags(old)

@@ -181,6 +181,13 @@ def find(builder: OpBuilder) -> tuple[Path | None, dict | None, str | None]:
     artifact, record, why = cache.check_build(folder)
     if artifact is None or record is None:
         return None, record, why
+    if not isinstance(record.get("key"), str):
+        return None, record, "its record has no key"
+    # Loading it runs its code: the same rule as for the cache (a package folder others can write to
+    # is no safer than a cache folder).
+    untrusted = None if env.trust_shared_cache() else cache.chain_problem(artifact)
+    if untrusted is not None:
+        return None, record, f"{untrusted}, so it could hold someone else's code (OPB_TRUST_SHARED_CACHE=1 accepts it)"
     why = mismatch(record, builder)
     return (None, record, why) if why else (artifact, record, None)
 

@@ -16,11 +16,30 @@ import subprocess
 from pathlib import Path
 
 from opbuilder import env
+from opbuilder.errors import CacheError
+
+
+#: Compiler launchers installed as a folder of links named after compilers (``/usr/lib/ccache/c++``).
+_LAUNCHERS = ("ccache",)
 
 
 def which(program: str) -> str | None:
-    found = shutil.which(program, path=os.pathsep.join(env.path_dirs()))
-    return os.path.realpath(found) if found else None
+    """The real path of ``program`` as found on PATH. A compiler found through a ccache link folder is
+    the compiler ccache runs (the next one of that name on PATH that is not ccache): that compiler is
+    what is probed and keyed; ccache itself answers neither ``--version`` nor ``-fopenmp`` as one."""
+    dirs = env.path_dirs()
+    found = shutil.which(program, path=os.pathsep.join(dirs))
+    if not found:
+        return None
+    real = os.path.realpath(found)
+    name = os.path.basename(found)
+    if os.path.basename(real) not in _LAUNCHERS or name in _LAUNCHERS:
+        return real
+    for folder in dirs:
+        candidate = shutil.which(name, path=folder)
+        if candidate and os.path.basename(os.path.realpath(candidate)) not in _LAUNCHERS:
+            return os.path.realpath(candidate)
+    return None  # ccache would find no compiler either
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,9 +164,11 @@ def openmp_flags() -> tuple[list[str], list[str]]:
 
     With torch built on OpenMP, ``at::parallel_for`` is inline code that runs its range in parallel
     only when the op itself is compiled with ``-fopenmp``; without it, every chunk runs on the calling
-    thread. The op links the OpenMP runtime torch has loaded, by its path: same soname, so the loader
-    hands the op that one runtime and its thread pool (``torch.set_num_threads`` applies). Linux only,
-    and only with a compiler that has OpenMP; else ([], []) and the op's loops run on one thread.
+    thread. The op links the OpenMP runtime torch's own library links, by its path: same soname, so
+    the loader hands the op that one runtime and its thread pool (``torch.set_num_threads`` applies).
+    Found from torch's files, never from what this process has loaded (another wheel's bundled
+    libgomp must not change the flags, hence the key). Linux only, and only with a compiler that has
+    OpenMP; else ([], []) and the op's loops run on one thread.
     """
     if platform.system() != "Linux":
         return [], []
@@ -158,21 +179,31 @@ def openmp_flags() -> tuple[list[str], list[str]]:
     return (["-fopenmp"], [runtime]) if runtime else ([], [])
 
 
+_OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp.", "libomp-")
+
+
 @functools.lru_cache(maxsize=None)
 def torch_openmp_runtime() -> str | None:
-    """The path of the OpenMP runtime (libgomp, libiomp5 or libomp) this process loaded for torch, if any."""
+    """The path of the OpenMP runtime (libgomp, libiomp5 or libomp) torch's CPU library links, as the
+    dynamic loader finds it for that library (its RUNPATH with $ORIGIN, LD_LIBRARY_PATH, the system
+    folders); None when torch has no OpenMP or the file cannot be found."""
     import torch
 
     if not torch.backends.openmp.is_available():
         return None
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return None
-    for line in maps:
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if os.path.basename(path).startswith(("libgomp", "libiomp5", "libomp.")):
-            return path
+    from opbuilder import elf
+
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch.so"):
+        library = lib_dir / name
+        try:
+            needed = elf.dynamic_entries(library)["needed"]
+        except OSError:
+            continue
+        for dependency in needed:
+            if dependency.startswith(_OPENMP_RUNTIMES):
+                found = elf.resolve_needed(library, dependency, env.ld_library_path())
+                return str(found) if found else None
     return None
 
 
@@ -181,8 +212,8 @@ def _write_memo(memo_path: Path, memo: dict) -> None:
 
     try:
         cache.write_text_atomic(memo_path, json.dumps(memo, indent=1, sort_keys=True))
-    except OSError:
-        pass  # a memo is an optimisation; a read-only cache is reported where it matters
+    except (OSError, CacheError):
+        pass  # a memo is an optimisation: a read-only cache still loads (prebuilt ops), a build says why
 
 
 class CudaLibrary:

@@ -23,7 +23,7 @@ def check_float(op: str, arg: str, value: object) -> torch.Tensor:
 
 def check_same(op: str, ref_arg: str, ref: torch.Tensor, arg: str, other: torch.Tensor) -> None:
     """``other`` must have ``ref``'s dtype and device."""
-    if other.dtype != ref.dtype:
+    if other.dtype is not ref.dtype:  # dtypes are singletons
         raise TypeError(f"{op}: {arg} must have {ref_arg}'s dtype {ref.dtype}, got {other.dtype}")
     if other.device != ref.device:
         raise ValueError(f"{op}: {arg} must be on {ref_arg}'s device {ref.device}, got {other.device}")

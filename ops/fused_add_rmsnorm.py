@@ -30,6 +30,7 @@ from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder import sharding
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -80,7 +81,7 @@ def _register(ns: str) -> None:
             None,
         )
 
-    torch.library.register_autograd(f"{ns}::fused_add_rmsnorm", backward_fused, setup_context=setup_fused)
+    eager.register_autograd(f"{ns}::fused_add_rmsnorm", backward_fused, setup_context=setup_fused)
 
     def setup_rms(ctx, inputs, output) -> None:
         input, weight, eps = inputs
@@ -93,7 +94,7 @@ def _register(ns: str) -> None:
         need = ctx.needs_input_grad
         return grad_input if need[0] else None, grad_weight if need[1] else None, None
 
-    torch.library.register_autograd(f"{ns}::rms_norm", backward_rms, setup_context=setup_rms)
+    eager.register_autograd(f"{ns}::rms_norm", backward_rms, setup_context=setup_rms)
 
     # DTensor: rows split on any dim but the normalised last one, weight replicated; grad_weight sums over
     # the rows, so with rows split it is Partial (what makes sequence parallelism right); the backward is
@@ -128,11 +129,13 @@ def rms_norm_op() -> torch._ops.OpOverload:
 
 
 def _check_eps(op: str, eps: object) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps < 0:
+    if type(eps) is not float:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"{op}: eps must be a float, got {type(eps).__name__}")
+        eps = float(eps)
+    if not 0.0 <= eps < math.inf:  # False for NaN too
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps}")
-    return float(eps)
+    return eps
 
 
 def _check_input_and_weight(op: str, input: object, weight: object) -> None:
@@ -164,7 +167,11 @@ def fused_add_rmsnorm(
     check_same(op, "input", input, "residual", residual)
     if residual.shape != input.shape:
         raise ValueError(f"{op}: residual must have input's shape {list(input.shape)}, got {list(residual.shape)}")
-    return fused_add_rmsnorm_op()(input, residual, weight, _check_eps(op, eps))
+    args = (input, residual, weight, _check_eps(op, eps))
+    if eager.direct():
+        fused = _ops.eager().fused_add_rmsnorm
+        return (fused.apply if eager.needs_grad(input, residual, weight) else fused.call)(*args)
+    return fused_add_rmsnorm_op()(*args)
 
 
 def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -172,7 +179,11 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
     ``F.rms_norm(input, (hidden,), weight, eps)``. input: [..., hidden]; weight: [hidden], same dtype."""
     op = "rms_norm"
     _check_input_and_weight(op, input, weight)
-    return rms_norm_op()(input, weight, _check_eps(op, eps))
+    args = (input, weight, _check_eps(op, eps))
+    if eager.direct():
+        norm = _ops.eager().rms_norm
+        return (norm.apply if eager.needs_grad(input, weight) else norm.call)(*args)
+    return rms_norm_op()(*args)
 
 
 # ---- layers -------------------------------------------------------------------------------------------

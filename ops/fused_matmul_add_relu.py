@@ -18,6 +18,7 @@ from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder import sharding
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
@@ -79,7 +80,7 @@ def _register(ns: str) -> None:
             grad_bias = _sum_to(grad_pre, ctx.bias_shape)
         return grad_lhs, grad_rhs, grad_bias
 
-    torch.library.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
 
     # DTensor: mm/bmm's rules (split B, M or N; the bias like the output); K is not split, as the ReLU
     # cannot be applied to partial sums.
@@ -104,6 +105,10 @@ def _autocast(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
 
 
 def _check_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if lhs.dim() == 2 and rhs.dim() == 2 and lhs.shape[1] == rhs.shape[0]:
+        # The linear layer's case in a few reads (it is on every call's path); anything else below.
+        if bias is None or (bias.dim() == 1 and bias.shape[0] in (1, rhs.shape[1])):
+            return
     if lhs.dim() not in (2, 3):
         raise ValueError(f"{_OP}: lhs must be 2-D [M, K] or 3-D [B, M, K], got shape {list(lhs.shape)}")
     if rhs.dim() not in (2, 3):
@@ -139,11 +144,15 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     check_float(_OP, "rhs", rhs)
     if bias is not None:
         check_float(_OP, "bias", bias)
-    lhs, rhs, bias = _autocast([lhs, rhs, bias])
+    if torch._C._is_any_autocast_enabled():
+        lhs, rhs, bias = _autocast([lhs, rhs, bias])
     check_same(_OP, "lhs", lhs, "rhs", rhs)
     if bias is not None:
         check_same(_OP, "lhs", lhs, "bias", bias)
     _check_shapes(lhs, rhs, bias)
+    if eager.direct():
+        op = _ops.eager().fused_matmul_add_relu
+        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.call)(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder import sharding
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
@@ -53,7 +54,7 @@ def _register(ns: str) -> None:
         grad_x, grad_w, grad_b = backward_op(grad_y, x, weight, mean, rstd, need_w or need_b)
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
 
-    torch.library.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
 
     # DTensor: rows (and mean, rstd) split on any dim but the normalised last one, weight and bias replicated;
     # grad_weight and grad_bias sum over the rows (Partial when they are split); linear in grad_y.
@@ -78,9 +79,12 @@ def fused_relu_layernorm_backward_op() -> torch._ops.OpOverload:
 def _check_param(arg: str, value: object, x: torch.Tensor) -> torch.Tensor | None:
     if value is None:
         return None
+    if (type(value) is torch.Tensor or type(value) is nn.Parameter) and value.dtype is x.dtype \
+            and value.dim() == 1 and value.shape[0] == x.shape[-1] and value.device == x.device:
+        return value  # the usual case in a few reads (on every call's path); the named errors below
     t = check_tensor(_OP, arg, value)
     check_same(_OP, "x", x, arg, t)
-    if t.shape != x.shape[-1:]:
+    if t.dim() != 1 or t.shape[0] != x.shape[-1]:
         raise ValueError(f"{_OP}: {arg} must have shape [{x.shape[-1]}] to match x's last dim, got {list(t.shape)}")
     return t
 
@@ -119,13 +123,20 @@ def fused_relu_layernorm(
     check_float(_OP, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{_OP}: x must have at least 1 dimension (the normalized one), got a 0-d tensor")
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+    if type(eps) is not float and (not isinstance(eps, numbers.Real) or isinstance(eps, bool)):
         raise TypeError(f"{_OP}: eps must be a float, got {type(eps).__name__}")
-    x, weight, bias, out_dtype = _autocast(x, weight, bias)
+    out_dtype = None
+    if torch._C._is_any_autocast_enabled():
+        x, weight, bias, out_dtype = _autocast(x, weight, bias)
     weight = _check_param("weight", weight, x)
     bias = _check_param("bias", bias, x)
     # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
-    y, _mean, _rstd = fused_relu_layernorm_op()(x.contiguous(), weight, bias, float(eps))
+    args = (x.contiguous(), weight, bias, float(eps))
+    if eager.direct():
+        op = _ops.eager().fused_relu_layernorm
+        y = (op.apply if eager.needs_grad(x, weight, bias) else op.call)(*args)[0]
+    else:
+        y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from opbuilder.ops._checks import check_float
 from opbuilder import sharding
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 
@@ -42,7 +43,7 @@ def _register(ns: str) -> None:
         # One fused pass (grad where out > 0, else 0), as torch.relu's own backward.
         return torch.ops.aten.threshold_backward(grad, out, 0)
 
-    torch.library.register_autograd(f"{ns}::relu", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::relu", backward, setup_context=setup_context)
 
     mask_backward = getattr(torch.ops, ns).relu_mask_backward.default
 
@@ -55,7 +56,7 @@ def _register(ns: str) -> None:
         (mask,) = ctx.saved_tensors
         return mask_backward(grad_y, mask)
 
-    torch.library.register_autograd(f"{ns}::relu_mask", backward_mask, setup_context=setup_mask)
+    eager.register_autograd(f"{ns}::relu_mask", backward_mask, setup_context=setup_mask)
 
     # The backward is linear in grad_y with the same mask: its own gradient is itself.
     def setup_mask_backward(ctx, inputs, output) -> None:
@@ -65,7 +66,7 @@ def _register(ns: str) -> None:
         (mask,) = ctx.saved_tensors
         return mask_backward(grad, mask), None
 
-    torch.library.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
+    eager.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
                                     setup_context=setup_mask_backward)
 
     # DTensor: relu keeps any layout. relu_mask's mask packs the sign bits of each rank's own piece of x:
@@ -112,6 +113,12 @@ def relu_mask_backward_op() -> torch._ops.OpOverload:
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
     check_float("relu", "x", x)
+    if eager.direct() and type(x) is torch.Tensor:  # a subclass (a DTensor, ...) takes the registered op
+        ops = _ops.eager()
+        if x.requires_grad and torch.is_grad_enabled():
+            return ops.relu_mask.apply(x)[0]
+        with eager.below_autograd():
+            return ops.relu.entry(x)
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]

@@ -18,6 +18,7 @@ from torch import nn
 
 from opbuilder.ops._checks import check_float
 from opbuilder import sharding
+from opbuilder import eager
 from opbuilder.lazy import LazyOps
 
 _OP = "softmax"
@@ -41,7 +42,7 @@ def _register(ns: str) -> None:
         (y,) = ctx.saved_tensors
         return ops.backward(y, grad.to(y.dtype))
 
-    torch.library.register_autograd(f"{ns}::forward", forward_backward, setup_context=forward_setup)
+    eager.register_autograd(f"{ns}::forward", forward_backward, setup_context=forward_setup)
 
     # Double backward. grad_x = y * (g - s), s = sum(g * y). For an upstream v:
     #   d/dg = y * (v - sum(v * y)) = backward(y, v);  d/dy = v * (g - s) - g * sum(v * y).
@@ -60,7 +61,7 @@ def _register(ns: str) -> None:
             grad_y = (v32 * (g32 - s) - g32 * (v32 * y32).sum(-1, keepdim=True)).to(y.dtype)
         return grad_y, grad_g
 
-    torch.library.register_autograd(f"{ns}::backward", backward_backward, setup_context=backward_setup)
+    eager.register_autograd(f"{ns}::backward", backward_backward, setup_context=backward_setup)
 
     # torch.softmax runs in float32 under CUDA autocast (float64 kept); so does this op.
     torch.library.register_autocast(f"{ns}::forward", "cuda", torch.float32)
@@ -91,13 +92,16 @@ def backward_op() -> torch._ops.OpOverload:
 
 def _check_dim(x: torch.Tensor, dim: object) -> int:
     """``dim`` as a non-negative index into ``x``'s dims (a 0-d tensor takes -1 or 0, as in torch)."""
-    if isinstance(dim, bool):
+    if type(dim) is int:  # the common case, without operator.index's protocol lookup
+        index = dim
+    elif isinstance(dim, bool):
         raise TypeError(f"{_OP}: dim must be an int, got bool")
-    try:
-        index = operator.index(dim)
-    except TypeError:
-        raise TypeError(f"{_OP}: dim must be an int, got {type(dim).__name__}") from None
-    ndim = max(x.dim(), 1)
+    else:
+        try:
+            index = operator.index(dim)
+        except TypeError:
+            raise TypeError(f"{_OP}: dim must be an int, got {type(dim).__name__}") from None
+    ndim = x.dim() or 1
     if not -ndim <= index < ndim:
         raise ValueError(
             f"{_OP}: dim must be in [{-ndim}, {ndim - 1}] for x of shape {tuple(x.shape)}, got {index}"
@@ -110,10 +114,15 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     float32/float16/bfloat16/float64, CPU or CUDA; the result has x's dtype and shape."""
     check_float(_OP, "x", x)
     dim = _check_dim(x, dim)
-    op = forward_op()
-    if x.dim() == 0:
+    if eager.direct():
+        forward = _ops.eager().forward
+        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.call
+    else:
+        op = forward_op()
+    ndim = x.dim()
+    if ndim == 0:
         return op(x.reshape(1)).reshape(())
-    if dim == x.dim() - 1:
+    if dim == ndim - 1:
         return op(x)
     return op(x.movedim(dim, -1)).movedim(-1, dim)
 

@@ -37,3 +37,33 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("OPB_CACHE_DIR", str(root))
     return root
+
+
+
+# Modules whose module-scoped fixture is expensive: a pip install that prebuilds relu (test_prebuild), a bench
+# run (test_bench), relu's build copied into a private cache (test_report_health), a cold build of relu that
+# the next tests read (test_cli: its tests must also run in order, on one worker). Under xdist's default "load"
+# distribution their tests spread over the workers and every worker sets the fixture up again (on the GPU
+# machine a build means nvcc): with "-n N" these modules run on one worker each (xdist's loadgroup, which
+# spreads every other test as "load" does).
+ONE_WORKER_MODULES = ("test_prebuild", "test_bench", "test_report_health", "test_cli")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", None) == "load" and not getattr(config.option, "distload", False):
+        config.option.dist = "loadgroup"  # the controller: "-n N" alone meant --dist load
+    if getattr(config, "workerinput", {}).get("opb_loadgroup"):
+        config.option.loadgroup = True  # a worker: it parses the command line again and would not know
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # noqa: ANN001 (xdist's WorkerController; absent without xdist)
+    node.workerinput["opb_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker turns the marks into node id suffixes
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))

@@ -74,6 +74,23 @@ def test_relu_ratios_are_consistent(relu_run: tuple[int, dict, Path]) -> None:
         assert close(rows["ours"]["vs_eager"] * rows["eager"]["vs_compile"], rows["ours"]["vs_compile"])
 
 
+def test_host_rows_hold_ours_against_the_torch_call(relu_run: tuple[int, dict, Path]) -> None:
+    _, result, out = relu_run
+    rows = result["host"]
+    assert [(r["op"], r["requires_grad"]) for r in rows] == [("relu", False), ("relu", True)]
+    for r in rows:
+        assert r["torch"] == "torch.relu" and r["limit"] == 2.5 and r["shape"] == [16]
+        assert r["ours_us"] > 0 and r["torch_us"] > 0
+        assert close(r["ratio"], r["ours_us"] / r["torch_us"]) and r["within"] == (r["ratio"] <= r["limit"])
+    assert "## Host time per call" in (out / "RESULTS.md").read_text()
+
+
+def test_no_host_leaves_the_host_table_out(tmp_path: Path) -> None:
+    rc = main(["relu", "--device", "cpu", "--shapes", "8x8", "--budget-ms", "5", "--no-host",
+               "--json", str(tmp_path / "r.json")])
+    assert rc == 0 and "host" not in json.loads((tmp_path / "r.json").read_text())
+
+
 def test_markdown_header_and_rows(relu_run: tuple[int, dict, Path]) -> None:
     _, result, out = relu_run
     text = (out / "RESULTS.md").read_text()
@@ -178,3 +195,10 @@ def test_same_bytes_copy_moves_the_model_bytes_from_each_set() -> None:
     assert first.dtype == torch.uint8 and first.numel() == 500  # 500 read + 500 written
     assert not torch.equal(first, second)  # each set has its own source, as the op's inputs rotate
     assert torch.equal(copy(*sets[0]), first)
+
+
+def test_copy_note_explains_a_ratio_above_one() -> None:
+    rows = [{"frac_copy": 0.8}, {"frac_copy": None}]
+    assert report.copy_note(rows, 30.0) == ""
+    note = report.copy_note(rows + [{"frac_copy": 2.17}], 30.2)
+    assert "30.2 GB/s" in note and "above 1 in 1 row" in note and "copy, same bytes" in note

@@ -195,3 +195,23 @@ def test_failed_build_reports_compiler_error_here_and_in_waiter(tmp_path: Path, 
         assert "ImportError" not in err and "cannot open shared object" not in err
     # Nothing that looks like a build is left in the cache.
     assert not [p for p in (fresh_cache / "add_scale").iterdir() if p.is_dir()]
+
+
+CLEAN_AFTER_BUILD = """
+import subprocess, sys
+from opbuilder import build
+real_ensure_built = build.ensure_built
+cleaned = []
+def ensure_built_then_clean(spec, **kwargs):
+    path = real_ensure_built(spec, **kwargs)  # built, published, the lock released
+    if not cleaned:
+        cleaned.append(subprocess.run([sys.executable, "-m", "opbuilder", "clean", spec.op], check=True))
+    return path
+build.ensure_built = ensure_built_then_clean
+"""
+
+
+def test_clean_between_build_and_load_is_not_a_build_error(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    result = run_python(CLEAN_AFTER_BUILD + load_snippet(op))
+    assert result.returncode == 0 and "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout, result.stderr[-2000:]

@@ -217,3 +217,57 @@ def test_pip_build_isolation_fails_with_the_command(installed: dict, tmp_path: P
         pytest.skip("pip could not set up an isolated build environment here (offline?)")
     assert proc.returncode != 0
     assert "OPB_BUILD_RELU=1 pip install --no-build-isolation --no-cache-dir ." in out
+
+
+def test_prebuilt_op_loads_from_a_read_only_cache(installed: dict, tmp_path: Path) -> None:
+    from test_security import _can_mount, _in_mount_namespace
+
+    if not _can_mount():
+        pytest.skip("needs root and unshare(1) allowed to mount (a private mount namespace makes the read-only cache)")
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    quoted = str(root)
+    proc = _in_mount_namespace(f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}", LOAD_RELU, cwd=tmp_path,
+                               **_clean_env(PYTHONPATH=str(installed["site"]), OPB_CACHE_DIR=str(root)))
+    result = _result(proc)
+    assert result["ns"] == json.loads(installed["record_path"].read_text())["namespace"]
+    assert result["y"] == ["0.0", "0.5", "nan", "3.0"]
+
+
+def test_prebuilt_folder_others_can_write_is_not_used(installed: dict, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    shutil.copytree(installed["site"], site)
+    folder = site / "opbuilder" / "_prebuilt" / "relu"
+    folder.chmod(0o775)
+    # No compiler: the JIT fallback fails, so nothing but the refused prebuilt library could be loaded.
+    proc = _python(LOAD_RELU, tmp_path, PYTHONPATH=str(site), OPB_CACHE_DIR=str(tmp_path / "cache"),
+                   CXX="no-such-compiler-opb")
+    assert proc.returncode != 0, proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "not using the prebuilt relu" in ln]
+    assert len(lines) == 1 and f"{folder} is writable by group" in lines[0], proc.stderr[-2000:]
+    assert "IncompatibleOpError" in proc.stderr
+
+
+OLD_SETUPTOOLS = '''
+__version__ = "65.5.0"
+
+
+def setup(**kwargs):  # what a setuptools before 70.1 without the wheel package ends with under pip
+    raise SystemExit("error: invalid command 'bdist_wheel'")
+'''
+
+
+def test_old_setuptools_fails_early_with_the_fix(tmp_path: Path) -> None:
+    src = _copy_project(tmp_path / "src")
+    fake = tmp_path / "old-tools" / "setuptools"
+    (fake / "command").mkdir(parents=True)
+    (fake / "__init__.py").write_text(OLD_SETUPTOOLS)
+    (fake / "command" / "__init__.py").write_text("")
+    code = (
+        f"import sys, runpy\nsys.path.insert(0, {str(fake.parent)!r})\nsys.modules['wheel'] = None\n"
+        "sys.argv = ['setup.py', 'dist_info']\nrunpy.run_path('setup.py', run_name='__main__')\n"
+    )
+    proc = _run([sys.executable, "-c", code], src, _clean_env())
+    assert proc.returncode != 0
+    assert "setuptools 65.5.0" in proc.stderr and "the wheel package is missing" in proc.stderr, proc.stderr
+    assert 'pip install "setuptools>=64" wheel' in proc.stderr and sys.executable in proc.stderr

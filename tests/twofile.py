@@ -93,6 +93,8 @@ def builder(root: Path):
         return TwoFileBuilder()
     finally:
         sys.path.remove(str(root))
+        # Unregistered, each builder finds its folder from its own code (several ops of this name coexist).
+        sys.modules.pop("two_file_ops", None)
 
 
 def run_snippet(root: Path, name: str = "two_file") -> str:

@@ -11,16 +11,27 @@ from pathlib import Path
 
 import torch
 
-from opbuilder.bench import report
+from opbuilder.bench import host, liger, report
 from opbuilder.bench.runner import BACKWARD, FORWARD, Case, CaseRunner, load_ours
 from opbuilder.bench.specs import SPECS, Fn, OpSpec, Shape, dtype_name, parse_dtype, parse_shape
 from opbuilder.bench.timing import CpuTimer, CudaTimer, Timer, copy_bandwidth
 
 DESCRIPTION = """\
-Time opbuilder's ops beside PyTorch eager and torch.compile on the same random inputs, in one run.
-Reports time, GB/s under each op's least-bytes model (TFLOP/s for the matmul), the fraction of the copy
-bandwidth measured in the same run, and speedups. Default shapes: the issue's targets (CUDA) or fp32
-4096x4096 (CPU)."""
+Time opbuilder's ops beside PyTorch eager, torch.compile and, on CUDA where it is installed (pip install
+'opbuilder[liger]'), Liger-Kernel, on the same random inputs, in one run, and
+print a table: time per call (median), GB/s under each op's least-bytes model (TFLOP/s for the matmul),
+"of copy" (GB/s over a large copy's, measured first in the same run), and speedups ("vs eager" = eager's
+time / this row's: above 1 is faster). A table of host time per call on tiny inputs follows.
+
+Without --shapes each op runs at its usual sizes: on CUDA the sizes of benchmarks/RESULTS.md (LLM shapes
+such as 32768x4096 bf16), on a CPU fp32 4096x4096. A run of every op takes a few minutes.
+
+examples:
+  opbuilder bench                                   every op at its usual sizes
+  opbuilder bench softmax --shapes 4096x4096 --dtype fp32 bf16
+  opbuilder bench fused_add_rmsnorm --backward --markdown RESULTS.md --json r.json
+  opbuilder bench --device cpu relu --shapes 1024x1024
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", metavar="SHAPE",
                    help="shapes such as 4096x4096 (ROWSxHIDDEN); the matmul takes BxMxKxN (full-shape bias) or "
                         "MxKxN (vector bias). A shape that does not fit an op is skipped for it.")
-    p.add_argument("--dtype", nargs="+", metavar="DTYPE", help="fp32, bf16, fp16 or fp64 (default: per shape)")
+    p.add_argument("--dtype", nargs="+", metavar="DTYPE", help="fp32, bf16, fp16 or fp64 (default: each op's usual dtype on the device)")
     p.add_argument("--backward", action="store_true", help="also time forward+backward steps")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--json", type=Path, metavar="FILE", help="write every number to FILE")
@@ -39,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-ms", type=float, metavar="MS",
                    help="time spent on the repeats of each implementation (default 200 on CUDA, 1000 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--no-host", action="store_true",
+                   help="skip the host-time table (CPU time per call of ours and of the PyTorch calls it replaces, "
+                        "on 16-element inputs)")
     return p
 
 
@@ -89,6 +103,20 @@ def _environment(device: torch.device, timer: Timer) -> dict:
         env["device_name"] = _cpu_name()
         env["device_detail"] = f"{torch.get_num_threads()} threads"
     return env
+
+
+def _host_rows(cases: list[Case], loaded: dict[str, Fn | None], device: torch.device) -> list[dict]:
+    """Host µs per call of each op that ran, beside the PyTorch call(s) it replaces (opbuilder/bench/host.py)."""
+    rows: list[dict] = []
+    names = [name for name in dict.fromkeys(c.spec.name for c in cases) if loaded.get(name) and name in host.HOST_CASES]
+    if names:
+        print("  host time per call (16-element inputs):", ", ".join(names), flush=True)
+    for name in names:
+        try:
+            rows += host.measure_op(name, loaded[name], device)
+        except Exception as e:  # the device table is already measured: report, do not lose it
+            rows.append({"op": name, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+    return rows
 
 
 def _cpu_name() -> str:
@@ -149,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     timing += "; inputs rotated among enough random sets to span 4x the last-level cache when one set is smaller"
 
     env = _environment(device, timer)
+    liger_module, env["liger"] = (None, "not asked for: no op with a Liger counterpart") \
+        if not any(c.spec.name in liger.ADAPTERS for c in cases) else liger.load(device)
+    env["liger_loaded"] = liger_module is not None
     print(f"opbuilder bench on {env['device_name']}: measuring the copy bandwidth", flush=True)
     copy = copy_bandwidth(timer)
-    runner = CaseRunner(timer, copy["GBps"], seed=args.seed)
+    runner = CaseRunner(timer, copy["GBps"], seed=args.seed, liger=liger_module)
 
     rows: list[dict] = []
     result = {
@@ -190,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         result["cost_models"][name] = {"fwd": case.spec.cost_model, "fwd+bwd": case.spec.cost_model_backward}
         if args.json:  # after each case, so a run cut short still leaves its numbers
             report.write_json(result, args.json)
+    if not args.no_host:
+        result["host"] = _host_rows(cases, loaded, device)
     result["complete"] = True
 
     report.print_report(result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from opbuilder.bench.host import table as _host_rows_table
 from opbuilder.bench.specs import SPECS
 
 COLUMNS = ("op", "shape", "dtype", "pass", "impl", "time (us)", "GB/s", "TFLOP/s", "of copy", "vs eager", "vs compile", "note")
@@ -39,12 +40,23 @@ def _note(row: dict) -> str:
     return "; ".join(notes)
 
 
-def cells(row: dict) -> list[str]:
-    return [
+def columns(rows: list[dict]) -> tuple[str, ...]:
+    """COLUMNS, with "vs liger" after "vs compile" when Liger-Kernel ran in this run."""
+    if not any(r["impl"] == "liger" for r in rows):
+        return COLUMNS
+    at = COLUMNS.index("vs compile") + 1
+    return COLUMNS[:at] + ("vs liger",) + COLUMNS[at:]
+
+
+def cells(row: dict, with_liger: bool = False) -> list[str]:
+    line = [
         row["op"], "x".join(map(str, row["shape"])), row["dtype"], row["pass"], row["impl"], _time(row.get("us")),
         _rate(row.get("GBps")), _rate(row.get("TFLOPs")), _num(row.get("frac_copy"), 2),
         _num(row.get("vs_eager"), 2), _num(row.get("vs_compile"), 2), _note(row),
     ]
+    if with_liger:
+        line.insert(COLUMNS.index("vs compile") + 1, _num(row.get("vs_liger"), 2))
+    return line
 
 
 def one_line(rows: list[dict]) -> str:
@@ -53,6 +65,8 @@ def one_line(rows: list[dict]) -> str:
     if ours is None or not ours.get("us"):
         return f"-> {ours.get('error') if ours else 'no result'}"
     text = f"-> ours {_time(ours['us'])} us, vs eager {_num(ours.get('vs_eager'), 2)}, vs compile {_num(ours.get('vs_compile'), 2)}"
+    if ours.get("vs_liger"):
+        text += f", vs liger {_num(ours['vs_liger'], 2)}"
     if ours.get("frac_copy"):
         text += f", {ours['frac_copy']:.2f} of copy"
     note = _note(ours)
@@ -60,9 +74,11 @@ def one_line(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    body = [list(COLUMNS)] + [cells(r) for r in rows]
-    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
-    right = {5, 6, 7, 8, 9, 10}
+    names = columns(rows)
+    with_liger = len(names) > len(COLUMNS)
+    body = [list(names)] + [cells(r, with_liger) for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(names))]
+    right = set(range(5, len(names) - 1))
     out = []
     previous_case = None
     for n, line in enumerate(body):
@@ -74,6 +90,18 @@ def table(rows: list[dict]) -> str:
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def copy_note(rows: list[dict], copy_GBps: float) -> str:
+    """Why a row's 'of copy' is above 1, when one is: the two copy figures measure different things."""
+    above = [r for r in rows if (r.get("frac_copy") or 0) > 1]
+    if not above:
+        return ""
+    return (f"'of copy' is a row's GB/s over the big copy's {_rate(copy_GBps)} GB/s, a ratio: above 1 in {len(above)} "
+            "row(s). That copy is too big for any cache, so its writes go to memory; a case this small gets its output "
+            "from the allocator in the same, still cached, buffer call after call, and moves its bytes faster. The "
+            "'copy, same bytes' row copies the case's bytes the same way (rotated sources, one destination): it is the "
+            "yardstick at this size (ours' 'vs copy, same bytes' is in the JSON's 'vs').")
 
 
 def cost_models(rows: list[dict]) -> list[str]:
@@ -91,18 +119,39 @@ def cost_models(rows: list[dict]) -> list[str]:
 
 def print_report(result: dict) -> None:
     env, copy = result["env"], result["copy"]
+    if env.get("liger"):
+        print(f"\nLiger-Kernel: {env['liger']}" if env.get("liger_loaded") else f"\nLiger-Kernel: no rows ({env['liger']})")
     print(f"\n{env['device_name']}; torch {env['torch']}; CUDA {env['cuda'] or '-'}; "
-          f"copy bandwidth {_rate(copy['GBps'])} GB/s ({copy['bytes'] / 2**30:.2f} GiB read + written)")
+          f"copy bandwidth {_rate(copy['GBps'])} GB/s (one copy of {copy['bytes'] / 2**31:.2f} GiB, bytes read + "
+          "written over its time: the 'of copy' denominator)")
     if result["rows"]:
         print()
         print(table(result["rows"]))
+        note = copy_note(result["rows"], copy["GBps"])
+        if note:
+            print(f"\n{note}")
     print("\nCost models (least bytes read + written, or FLOPs):")
     for line in cost_models(result["rows"]):
         print(f"  {line}")
     print("vs X = time of X / time of this row (above 1: this row is faster).")
+    if result.get("host"):
+        print(f"\nHost time per call ({host_note(result['host'])}):")
+        print(host_table(result["host"]))
     print(f"Timing: {result['settings']['timing']} (benchmarks/README.md).")
     for op, why in result["skipped"].items():
         print(f"  {op}: {why}")
+
+
+def host_note(rows: list[dict]) -> str:
+    return ("thread CPU time of one forward call on 16-element inputs, the least of 15 rounds; ratio = ours / the "
+            "PyTorch call or unfused sequence; target: relu and softmax <= 2.5, a fused op <= 1")
+
+
+def host_table(rows: list[dict]) -> str:
+    good = [r for r in rows if not r.get("error")]
+    lines = [_host_rows_table(good)] if good else []
+    lines += [f"{r['op']}: ERROR {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(lines)
 
 
 # ---- files ------------------------------------------------------------------------------------------
@@ -121,30 +170,37 @@ def write_markdown(result: dict, path: Path) -> None:
         "(`benchmarks/run_bench.sh` on the GPU machine).",
         "",
         f"- Device: {env['device_name']}" + (f" ({env['device_detail']})" if env.get("device_detail") else ""),
-        f"- torch {env['torch']}, CUDA {env['cuda'] or '-'}, Python {env['python']}, opbuilder {env['opbuilder']}",
+        f"- torch {env['torch']}, CUDA {env['cuda'] or '-'}, Python {env['python']}, opbuilder {env['opbuilder']}"
+        + (f", Liger-Kernel {env['liger']}" if env.get("liger_loaded") else ""),
         f"- Copy bandwidth measured in this run: **{copy['GBps']:,.0f} GB/s** "
-        f"({copy['bytes'] / 2**30:.2f} GiB read + written per copy); \"of copy\" is a row's GB/s over it.",
+        f"(one copy of {copy['bytes'] / 2**31:.2f} GiB, bytes read + written over its time); \"of copy\" is a row's "
+        "GB/s over it, a ratio that exceeds 1 where a case's output stays in the cache (see `copy, same bytes`).",
         f"- Timing: {settings['timing']}",
         "- `vs X` = time of X / time of the row: above 1, the row is faster than X. `ours` is opbuilder; `eager` the "
-        "PyTorch reference; `compile` the same function under `torch.compile` (default mode); other names are "
+        "PyTorch reference; `compile` the same function under `torch.compile` (default mode); `liger` Liger-Kernel's "
+        "op (opbuilder/bench/liger.py: fused add+RMSNorm, LayerNorm after torch.relu, softmax); other names are "
         "extra eager formulations (forward only); `copy, same bytes` copies as many bytes as the op's model "
         "counts, from rotated sources like the op's inputs: what moving that many bytes takes at that size.",
         "",
     ]
-    header = "| " + " | ".join(COLUMNS) + " |"
-    rule = "|" + "|".join("---:" if c in ("time (us)", "GB/s", "TFLOP/s", "of copy", "vs eager", "vs compile") else "---"
-                          for c in COLUMNS) + "|"
+    names = columns(result["rows"])
+    with_liger = len(names) > len(COLUMNS)
+    header = "| " + " | ".join(names) + " |"
+    rule = "|" + "|".join("---" if c in ("op", "shape", "dtype", "pass", "impl", "note") else "---:" for c in names) + "|"
     for mode, title in (("fwd", "Forward"), ("fwd+bwd", "Forward + backward")):
         rows = [r for r in result["rows"] if r["pass"] == mode]
         if not rows:
             continue
         lines += [f"## {title}", "", header, rule]
         for r in rows:
-            c = cells(r)
+            c = cells(r, with_liger)
             if r["impl"] == "ours":
                 c[4:6] = [f"**{c[4]}**", f"**{c[5]}**"]
             lines.append("| " + " | ".join(x.replace("|", "\\|") for x in c) + " |")
         lines.append("")
+    if result.get("host"):
+        lines += ["## Host time per call", "", host_note(result["host"]) + ".", "", "```", host_table(result["host"]),
+                  "```", ""]
     lines += ["## Cost models", ""] + [f"- {line}" for line in cost_models(result["rows"])] + [""]
     if result["skipped"]:
         lines += ["## Not measured", ""] + [f"- {op}: {why}" for op, why in result["skipped"].items()] + [""]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opbuilder.bench.liger import adapter as liger_adapter
 from opbuilder.bench.specs import Fn, Inputs, OpSpec, Shape, dtype_name, format_shape
 from opbuilder.bench.timing import Step, Timer, Timing
 
@@ -28,6 +29,8 @@ MAX_SETS = 256
 #: (half read, half written). Small cases do not reach the big copy's bandwidth, and neither does this copy;
 #: it is a reference, not a bound (a kernel with less launch overhead can beat it at a few MB).
 SAME_BYTES_COPY = "copy, same bytes"
+#: Liger-Kernel's row, where it is installed and has the op (opbuilder/bench/liger.py).
+LIGER = "liger"
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,13 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 class CaseRunner:
-    def __init__(self, timer: Timer, copy_GBps: float, seed: int = 0) -> None:
+    def __init__(self, timer: Timer, copy_GBps: float, seed: int = 0, liger: object | None = None) -> None:
+        """``liger``: Liger-Kernel's functional module (``opbuilder.bench.liger.load``), or None for no Liger rows."""
         self.timer = timer
         self.device = timer.device
         self.copy_GBps = copy_GBps
         self.seed = seed
+        self.liger = liger
 
     # ---- inputs ----------------------------------------------------------------------------------
 
@@ -114,6 +119,9 @@ class CaseRunner:
         torch._dynamo.reset()  # a fresh compile per case: no recompile limits, no dynamic shapes
         impls: dict[str, Fn] = {"ours": ours, "eager": spec.eager}
         impls["compile"] = torch.compile(spec.eager, dynamic=False)
+        peer = liger_adapter(spec.name, self.liger)
+        if peer is not None:
+            impls[LIGER] = peer
         if not backward:
             impls.update(spec.extras(case.shape))
 
@@ -137,8 +145,9 @@ class CaseRunner:
             except Exception as e:  # one failing implementation must not stop the run
                 row["error"] = f"{type(e).__name__}: {_first_line(e)}"
 
-        if "ours" in steps:
-            rows["ours"].update(self._check(case, ours, sets[0], out_grads[0] if out_grads else None))
+        for impl in ("ours", LIGER):  # what is not PyTorch's own is checked against eager before it is timed
+            if impl in steps:
+                rows[impl].update(self._check(case, impls[impl], sets[0], out_grads[0] if out_grads else None))
 
         parts: dict[str, list[Timing]] = {impl: [] for impl in steps}
         for _ in range(self.timer.rounds):
@@ -188,7 +197,9 @@ class CaseRunner:
         return [o.detach() for o in outs] + grads
 
     def _same_bytes_copy(self, nbytes: int, sets: list[Inputs]) -> Fn:
-        """A copy of nbytes / 2 bytes, from a source of its own for each input set (rotated like them)."""
+        """A copy of nbytes / 2 bytes, from a source of its own for each input set (rotated like them), into
+        one destination: as the op's output, which the allocator hands back call after call, it stays in the
+        cache when it fits, so this row (unlike the big copy in the header) is the yardstick at this size."""
         dst = torch.empty(nbytes // 2, dtype=torch.uint8, device=self.device)
         srcs = {id(inputs[0]): torch.empty_like(dst).random_() for inputs in sets}
         return lambda *inputs: dst.copy_(srcs[id(inputs[0])])
@@ -239,3 +250,4 @@ def _add_rates(rows: list[dict], copy_GBps: float) -> None:
         r["vs"] = {impl: t / us for impl, t in times.items()} if us else {}
         r["vs_eager"] = r["vs"].get("eager")
         r["vs_compile"] = r["vs"].get("compile")
+        r["vs_liger"] = r["vs"].get(LIGER)

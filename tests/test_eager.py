@@ -1,0 +1,165 @@
+"""The eager fast path (opbuilder/eager.py): plain calls skip the Python autograd kernel, calls that
+need a gradient get the registered formula through a Function of their own, and every other context
+(Dynamo, functorch, forward AD, autocast) takes the registered op."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from opbuilder import eager, ops
+
+# name -> (our call, the same through the registered torch.ops op, inputs builder)
+_W = lambda n: torch.randn(n, dtype=torch.float64)  # noqa: E731
+
+
+def _cases() -> dict[str, tuple[Callable, Callable, Callable[[], list[torch.Tensor]]]]:
+    relu_mod = sys.modules["opbuilder.ops.relu"]
+    softmax_mod = sys.modules["opbuilder.ops.softmax"]
+    ln_mod = sys.modules["opbuilder.ops.fused_relu_layernorm"]
+    rms_mod = sys.modules["opbuilder.ops.fused_add_rmsnorm"]
+    mm_mod = sys.modules["opbuilder.ops.fused_matmul_add_relu"]
+    return {
+        "relu": (ops.relu, lambda x: relu_mod.relu_mask_op()(x)[0], lambda: [torch.randn(5, 7, dtype=torch.float64)]),
+        "softmax": (ops.softmax, lambda x: softmax_mod.forward_op()(x), lambda: [torch.randn(5, 7, dtype=torch.float64)]),
+        "fused_relu_layernorm": (
+            ops.fused_relu_layernorm,
+            lambda x, w, b: ln_mod.fused_relu_layernorm_op()(x, w, b, 1e-5)[0],
+            lambda: [torch.randn(5, 7, dtype=torch.float64), _W(7), _W(7)],
+        ),
+        "fused_add_rmsnorm": (
+            lambda a, r, w: ops.fused_add_rmsnorm(a, r, w, 1e-6),
+            lambda a, r, w: rms_mod.fused_add_rmsnorm_op()(a, r, w, 1e-6),
+            lambda: [torch.randn(5, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64), _W(7)],
+        ),
+        "rms_norm": (
+            lambda a, w: ops.rms_norm(a, w, 1e-6),
+            lambda a, w: rms_mod.rms_norm_op()(a, w, 1e-6),
+            lambda: [torch.randn(5, 7, dtype=torch.float64), _W(7)],
+        ),
+        "fused_matmul_add_relu": (
+            ops.fused_matmul_add_relu,
+            lambda a, b, c: mm_mod.fused_matmul_add_relu_op()(a, b, c),
+            lambda: [torch.randn(5, 6, dtype=torch.float64), torch.randn(6, 7, dtype=torch.float64), _W(7)],
+        ),
+    }
+
+
+CASES = list(_cases())
+_DIRECT = eager.direct
+
+
+@contextmanager
+def python_calls() -> Iterator[list[str]]:
+    """The files of every Python function called inside the block."""
+    files: list[str] = []
+
+    def profile(frame, event, arg):  # noqa: ANN001
+        if event == "call":
+            files.append(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        yield files
+    finally:
+        sys.setprofile(None)
+
+
+def _tuple(out: object) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plain_call_skips_the_python_autograd_kernel(name: str) -> None:
+    ours, _registered, make = _cases()[name]
+    args = make()
+    ours(*args)  # builds and binds
+    with python_calls() as files:
+        out = _tuple(ours(*args))
+    assert not [f for f in files if f.endswith("_library/autograd.py")]
+    assert all(o.grad_fn is None and not o.requires_grad for o in out)
+    with python_calls() as files:
+        _registered(*args)
+    assert [f for f in files if f.endswith("_library/autograd.py")], "the probe must see the registered kernel"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_grad_call_uses_the_registered_formula(name: str) -> None:
+    ours, registered, make = _cases()[name]
+    args = [t.requires_grad_() for t in make()]
+    out = _tuple(ours(*args))
+    assert type(out[0].grad_fn).__name__.startswith("Eager_"), type(out[0].grad_fn).__name__
+    want = _tuple(registered(*args))
+    assert not type(want[0].grad_fn).__name__.startswith("Eager_")
+    grads_out = [torch.randn_like(o) for o in out]
+    got_grads = torch.autograd.grad(out, args, grads_out, allow_unused=True)
+    want_grads = torch.autograd.grad(want, args, grads_out, allow_unused=True)
+    for o, w in zip(out, want):
+        torch.testing.assert_close(o, w, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    torch.autograd.gradcheck(lambda *a: ours(*a), args)
+
+
+def test_double_backward_through_the_eager_function() -> None:
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    assert type(ops.softmax(x).grad_fn).__name__.startswith("Eager_")
+    torch.autograd.gradgradcheck(ops.softmax, (x,))
+
+
+def test_no_grad_mode_and_inputs_without_grad_take_the_plain_call() -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.no_grad():
+        y = ops.relu(x)
+    assert y.grad_fn is None and not y.requires_grad
+    with torch.inference_mode():
+        assert ops.softmax(torch.randn(3, 4)).is_inference()
+
+
+def test_other_contexts_take_the_registered_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    assert eager.direct()
+    # autocast: the Function is not used (an autocast rule must cast before autograd sees the inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not type(ops.softmax(x).grad_fn).__name__.startswith("Eager_")
+    # functorch transforms
+    got = torch.func.vmap(ops.relu)(x.detach())
+    torch.testing.assert_close(got, torch.relu(x.detach()))
+    with monkeypatch.context() as m:  # inside a transform, direct() is False
+        seen = []
+        m.setattr(eager, "direct", lambda: seen.append(_DIRECT()) or seen[-1])
+        torch.func.vmap(ops.softmax)(x.detach())
+        assert seen == [False]
+    # forward AD: the registered op, whatever it does with dual tensors (no silent loss of the tangent)
+    with fwAD.dual_level():
+        assert not eager.direct()
+        dual = fwAD.make_dual(x.detach(), torch.ones(3, 4))
+        try:
+            tangent = fwAD.unpack_dual(ops.relu(dual)).tangent
+        except RuntimeError:
+            tangent = "raised"
+        try:
+            want_tangent = fwAD.unpack_dual(sys.modules["opbuilder.ops.relu"].relu_op()(dual)).tangent
+        except RuntimeError:
+            want_tangent = "raised"
+        assert (tangent is None) == (want_tangent is None) and type(tangent) is type(want_tangent)
+    # Dynamo: is_compiling() is True while tracing, so the compiled graph calls the registered op
+    monkeypatch.setattr(eager, "_IS_COMPILING", lambda: True)
+    assert not eager.direct()
+    assert not type(ops.relu(x).grad_fn).__name__.startswith("Eager_")
+
+
+def test_compiled_call_records_the_registered_op() -> None:
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    x = torch.randn(3, 8)
+    fn = torch.compile(lambda t: ops.softmax(ops.relu(t)), backend=counter, fullgraph=True)
+    torch.testing.assert_close(fn(x), torch.softmax(torch.relu(x), -1))
+    targets = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any(".relu.default" in t for t in targets) and any(".forward.default" in t for t in targets), targets
