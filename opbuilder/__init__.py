@@ -9,6 +9,7 @@ if not (_Path(__file__).parent / "ops").is_dir() and (_Path(__file__).parent.par
     _checkout.install()
 
 from opbuilder.builder import OpBuilder
+from opbuilder.dispatch import apply
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, UnknownOpError
 from opbuilder.registry import get_builder
 
@@ -22,6 +23,7 @@ __all__ = [
     "IncompatibleOpError",
     "OpBuilder",
     "UnknownOpError",
+    "apply",
     "get_builder",
     "prepare",
     "__version__",

@@ -1,4 +1,4 @@
-"""The ``opbuilder`` command: report, build, clean, new, bench.
+"""The ``opbuilder`` command: report, build, clean, new, bench, check, tune.
 
 Each subcommand imports what it needs when it runs, so ``opbuilder --help`` imports no torch.
 Exit codes: 0 success, 1 a build or an op failed, 2 a usage error.
@@ -46,6 +46,21 @@ def _parser() -> argparse.ArgumentParser:
                           "later) or classic torch/library.h + ATen (~6 s, tied to one torch version)")
     new.add_argument("--dir", default=".", type=Path, help="folder to write NAME/ into (default: here)")
 
+    chk = sub.add_parser("check", help="every implementation of an op against a float64 reference, with a status each")
+    chk.add_argument("op", metavar="OP", help="the op (a built-in one)")
+    chk.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+    chk.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                     help="import MODULE first: where a user op's definition and implementations are registered")
+
+    tune = sub.add_parser("tune", help="time the implementations that pass; dispatch then picks the fastest")
+    tune.add_argument("op", metavar="OP", help="the op (a built-in one)")
+    tune.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    tune.add_argument("--budget-ms", type=float, default=200.0, help="time budget per implementation and workload")
+    tune.add_argument("--json", action="store_true", help="print the stored trace")
+    tune.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first: where a user op's definition and implementations are registered")
+
     commands = sub.add_parser(
         "compile-commands", help="write compile_commands.json for clangd and IDEs (the exact compiler commands)")
     commands.add_argument("ops", nargs="*", metavar="OP",
@@ -62,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # every argument, --help included, belongs to the bench tool
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
-    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new, "compile-commands": _compile_commands}
-    from opbuilder.errors import OpBuilderError
+    handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new,
+                "compile-commands": _compile_commands, "check": _check, "tune": _tune}
+    from opbuilder.errors import OpBuilderError, UnknownOpError
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -71,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err(f"opbuilder {args.command}: interrupted; running compilers were stopped and nothing half-built was published")
         return 130
-    except (OpBuilderError, ValueError) as exc:  # an unusable cache, a bad TORCH_CUDA_ARCH_LIST, ...
+    except (OpBuilderError, UnknownOpError, ImportError, ValueError) as exc:  # an unusable cache, a bad TORCH_CUDA_ARCH_LIST, ...
         _err(f"opbuilder {args.command}: {exc}")
         return 1
 
@@ -90,10 +106,54 @@ def _err(message: str) -> None:
 def _report(args: argparse.Namespace) -> int:
     import json
 
-    from opbuilder import report
+    from opbuilder import dispatch_report, report
 
     data = report.collect()
-    print(json.dumps(data, indent=1) if args.json else report.render(data))
+    data["dispatch"] = dispatch_report.collect()
+    print(json.dumps(data, indent=1) if args.json else report.render(data) + "\n" + dispatch_report.render(data["dispatch"]))
+    return 0
+
+
+# ---- check, tune -------------------------------------------------------------------------------
+
+
+def _import(modules: list[str]) -> None:
+    import importlib
+
+    sys.path.insert(0, str(Path.cwd()))  # a module of the project the command runs in
+    for name in modules:
+        importlib.import_module(name)
+
+
+def _check(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from opbuilder import check, dispatch_report
+
+    _import(args.imports)
+    rows = check.check(args.op, args.device)
+    where = check.save(args.op, rows, "check")
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    else:
+        print(dispatch_report.render_rows(rows) + f"\nstored in {where}")
+    return 0 if all(r.status == "PASSED" for r in rows) else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from opbuilder import check, dispatch_report
+
+    _import(args.imports)
+    rows = check.tune(args.op, args.device, args.budget_ms)
+    where = check.save(args.op, rows, "tune")
+    if args.json:
+        print(where.read_text())
+    else:
+        d = dispatch_report.op_dispatch(args.op)
+        print(dispatch_report.render_rows(rows))
+        print("dispatch picks: " + ("; ".join(f"{w}: {n}" for w, n in d["picks"].items()) or "the default"))
+        print(f"stored in {where}")
     return 0
 
 

@@ -17,6 +17,7 @@ VARIABLES: dict[str, str] = {
     "OPB_MAX_JOBS": "Parallel compile jobs inside one build (default: the cores, shared among the builds running at once).",
     "OPB_CPU_ARCH": "Value for -march on CPU code (default 'native' for JIT builds; 'none' omits it).",
     "OPB_TRUST_SHARED_CACHE": "1 loads from a cache that other users own or can write to (a deliberately shared cache).",
+    "OPB_FALLBACK": "0 makes an op that cannot be built or loaded here an error, instead of falling back to the next implementation (default 1).",
     "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
     "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
     "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
@@ -121,6 +122,11 @@ def ld_library_path() -> list[str]:
 
 def trust_shared_cache() -> bool:
     return _flag("OPB_TRUST_SHARED_CACHE")
+
+
+def fallback() -> bool:
+    """Whether a call falls back to the next implementation when one cannot be built or loaded here."""
+    return _get("OPB_FALLBACK") is None or _flag("OPB_FALLBACK")
 
 
 def build_all_ops() -> bool:

@@ -28,3 +28,8 @@ class UnknownOpError(KeyError):
 
 class IncompatibleOpError(OpBuilderError):
     """The op cannot be built in this environment; the message lists why."""
+
+
+class FallbackWarning(RuntimeWarning):
+    """An op's implementation cannot be built or loaded here; its calls go to the next one (the message says
+    which and why). ``OPB_FALLBACK=0`` makes this an error."""

@@ -31,6 +31,7 @@ from torch import nn
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder import sharding
 from opbuilder import eager
+from opbuilder.dispatch import ROUTES as _ROUTES
 from opbuilder.lazy import LazyOps
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -168,6 +169,8 @@ def fused_add_rmsnorm(
     if residual.shape != input.shape:
         raise ValueError(f"{op}: residual must have input's shape {list(input.shape)}, got {list(residual.shape)}")
     args = (input, residual, weight, _check_eps(op, eps))
+    if op in _ROUTES and (out := _ROUTES[op](*args)) is not None:  # a trace's choice, or a fallback
+        return out
     if eager.direct():
         fused = _ops.eager().fused_add_rmsnorm
         return (fused.apply if eager.needs_grad(input, residual, weight) else fused.call)(*args)

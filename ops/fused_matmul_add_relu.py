@@ -19,6 +19,7 @@ from torch import nn
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder import sharding
 from opbuilder import eager
+from opbuilder.dispatch import ROUTES as _ROUTES
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
@@ -150,6 +151,8 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     if bias is not None:
         check_same(_OP, "lhs", lhs, "bias", bias)
     _check_shapes(lhs, rhs, bias)
+    if _OP in _ROUTES and (y := _ROUTES[_OP](lhs, rhs, bias)) is not None:  # a trace's choice, or a fallback
+        return y
     if eager.direct():
         op = _ops.eager().fused_matmul_add_relu
         return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.call)(lhs, rhs, bias)

@@ -11,6 +11,7 @@ from torch import nn
 from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder import sharding
 from opbuilder import eager
+from opbuilder.dispatch import ROUTES as _ROUTES
 from opbuilder.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
@@ -130,6 +131,8 @@ def fused_relu_layernorm(
         x, weight, bias, out_dtype = _autocast(x, weight, bias)
     weight = _check_param("weight", weight, x)
     bias = _check_param("bias", bias, x)
+    if _OP in _ROUTES and (y := _ROUTES[_OP](x, weight, bias, float(eps))) is not None:  # a trace's choice, or a fallback
+        return y if out_dtype is None else y.to(out_dtype)
     # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
     args = (x.contiguous(), weight, bias, float(eps))
     if eager.direct():

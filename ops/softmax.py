@@ -19,6 +19,7 @@ from torch import nn
 from opbuilder.ops._checks import check_float
 from opbuilder import sharding
 from opbuilder import eager
+from opbuilder.dispatch import ROUTES as _ROUTES
 from opbuilder.lazy import LazyOps
 
 _OP = "softmax"
@@ -114,6 +115,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     float32/float16/bfloat16/float64, CPU or CUDA; the result has x's dtype and shape."""
     check_float(_OP, "x", x)
     dim = _check_dim(x, dim)
+    if _OP in _ROUTES and (y := _ROUTES[_OP](x, dim)) is not None:  # a trace's choice, or a fallback
+        return y
     if eager.direct():
         forward = _ops.eager().forward
         op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.call

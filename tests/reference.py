@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import torch
 
-# (rtol, atol) for outputs computed with fp32 accumulation from inputs of this dtype.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (1e-2, 1e-3),
-    torch.bfloat16: (2e-2, 1e-2),
-}
+from opbuilder.definitions import TOLERANCES  # (rtol, atol) per input dtype; check uses the same table
+
+__all__ = ["TOLERANCES", "assert_close_to_ref"]
 
 
 def assert_close_to_ref(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:

@@ -2,6 +2,9 @@
 reference (which ``torch.compile`` also compiles), how to call ours, the least one call must cost, the
 shapes timed by default, and any extra eager formulations worth showing beside them.
 
+The references take the op's own arguments with the op's defaults (``eps``, ``dim``), so the same function
+is the reference of the op's definition (``opbuilder.definitions``: checks and dispatch) and the bench's eager.
+
 Shapes are written ``AxB`` on the command line. Every op except the matmul takes ``ROWSxHIDDEN`` and works
 on the last dim. ``fused_matmul_add_relu`` takes ``BxMxKxN`` (batched, bias of the output's full shape
 ``[B, M, N]``) or ``MxKxN`` (2-D, bias a vector ``[N]``: the linear layer's form).
@@ -141,12 +144,14 @@ def eager_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x)
 
 
-def eager_add_rmsnorm(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's meaning: ``residual_out = input + residual`` in their dtype, then the norm of it in float32,
-    rounded once to the input's dtype."""
+def eager_add_rmsnorm(
+    inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = RMS_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's meaning: ``residual_out = input + residual`` in their dtype, then the norm of it in float32
+    (float64 for float64 inputs), rounded once to the input's dtype."""
     h = inp + residual
-    hf = h.float()
-    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + RMS_EPS) * weight.float()
+    hf = h.double() if h.dtype == torch.float64 else h.float()
+    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(hf.dtype)
     return out.to(inp.dtype), h
 
 
@@ -161,16 +166,18 @@ def eager_add_then_rms_norm(inp: torch.Tensor, residual: torch.Tensor, weight: t
     return F.rms_norm(h, (h.shape[-1],), weight, RMS_EPS), h
 
 
-def eager_relu_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(F.relu(x), (x.shape[-1],), weight, bias, LN_EPS)
+def eager_relu_layernorm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = LN_EPS
+) -> torch.Tensor:
+    return F.layer_norm(F.relu(x), (x.shape[-1],), weight, bias, eps)
 
 
-def eager_softmax(x: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(x, -1)
+def eager_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x, dim)
 
 
-def eager_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.relu(lhs @ rhs + bias)
+def eager_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.relu(lhs @ rhs if bias is None else lhs @ rhs + bias)
 
 
 def _matmul_extras(shape: Shape) -> dict[str, Fn]:

@@ -1,0 +1,249 @@
+"""Dispatch: each call of an op goes to the fastest implementation that passed for its device, dtype and
+shape bucket (per the trace ``opbuilder tune`` left in the cache); with no trace, to the default (the
+first registered: our compiled op for the built-in ones). An implementation that cannot be built or
+loaded here (no compiler, a build error, an incompatible GPU) gives way to the next one, and finally to
+the reference, with one ``FallbackWarning`` naming the op and the reason; ``OPB_FALLBACK=0`` raises the
+error instead.
+
+Built-in ops: their public functions (``opbuilder.ops``) start with ``route = ROUTES.get(op)``. Before the
+first call ``ROUTES`` holds the op's ``Router``; the first call resolves it (``resolve``: loads the
+default, reads the trace). When there is no trace and our op loads, the op leaves ``ROUTES`` and every
+later call is today's direct call plus that one dict lookup. Otherwise the router stays: it returns
+None where our compiled op is the choice (the function's body goes on to call it) and the chosen
+implementation's result elsewhere.
+
+User ops: ``apply(name)`` on the reference function (FlashInfer-Bench's decorator), after the op's
+definition and implementations are registered (``opbuilder.definitions``, ``opbuilder.implementations``).
+
+Under ``torch.compile``: ``resolve`` is marked as having a constant result, so Dynamo runs it once while
+tracing (the build, the file reads) and traces the router's table lookup and the chosen function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from opbuilder import env
+from opbuilder.errors import FallbackWarning
+from opbuilder.registry import BUILDERS
+
+
+#: The name of ``apply``'s decorated function among the choices.
+FINAL = "apply's function"
+
+
+def _continue(*args: Any, **kwargs: Any) -> None:
+    """A built-in op's own compiled path: the public function's body calls it."""
+    return None
+
+
+class Router:
+    """Sends a call to the implementation chosen for its (device type, dtype, shape bucket)."""
+
+    def __init__(self, op: str, final: Callable[..., Any] | None = None) -> None:
+        self.op = op
+        self.final = final  # the function ``apply`` decorated: the last resort
+        self.table: dict[Any, Callable[..., Any]] | None = None  # None until the first call resolves it
+        self.default: Callable[..., Any] = _continue
+        self.picks: dict[Any, str] = {}  # the same choices by implementation name (report, tests)
+        self.default_name = ""
+        self.leave_later = False  # resolved to the direct path while Dynamo traced: leave ROUTES at the next call
+        if final is not None:
+            functools.update_wrapper(self, final)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # resolve() first, every call (at once when resolved): under torch.compile no attribute of the
+        # router may be read before it, or Dynamo would guard on the table being None.
+        resolve(self.op)
+        table = self.table
+        if table:
+            x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args)
+            # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
+            key = (x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
+            return table.get(key, self.default)(*args, **kwargs)
+        return self.default(*args, **kwargs)
+
+    def pick(self, *args: Any) -> str:
+        """The name of the implementation a call with these arguments goes to (resolving first)."""
+        resolve(self.op)
+        return self.picks.get(_key(_first_tensor(args)), self.default_name)
+
+
+def _first_tensor(args: tuple) -> Any:
+    from opbuilder.trace import first_tensor
+
+    return first_tensor(args)
+
+
+def _key(x: Any) -> tuple:
+    """A call's (on a GPU, dtype, size class, last dim a multiple of 8): trace.bucket's facts, flat."""
+    return x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0
+
+
+def _flat(where: tuple) -> tuple:
+    """A trace's (device type, dtype, bucket) as ``_key`` makes it."""
+    device, dtype, (size, aligned) = where
+    return device == "cuda", dtype, size, aligned
+
+
+_LOCK = threading.RLock()
+
+#: Built-in op -> its router, while the op is routed (or not yet resolved). The public functions read it.
+ROUTES: dict[str, Router] = {name: Router(name) for name in BUILDERS}
+_ROUTERS: dict[str, Router] = dict(ROUTES)
+
+
+def router(op: str) -> Router:
+    if op not in _ROUTERS:
+        from opbuilder.errors import UnknownOpError
+
+        raise UnknownOpError(f"no dispatched op named {op!r}; known: {', '.join(_ROUTERS)} (apply() adds one)")
+    return _ROUTERS[op]
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def resolve(op: str) -> bool:
+    """Choose the op's implementations (once, at its first call); True when it stays routed.
+
+    Loads the default (building it if needed) and, where the trace names others, those. An implementation
+    that cannot load gives way to the next; one FallbackWarning says which and why. Raises the load error
+    when ``OPB_FALLBACK=0``, or when nothing at all can run.
+    """
+    r = _ROUTERS[op]
+    if r.table is not None and not r.leave_later:  # every call after the first: no lock
+        return True
+    with _LOCK:  # two threads' first calls: one resolves, one warning
+        return _resolve(op)
+
+
+def _resolve(op: str) -> bool:
+    from opbuilder import implementations, trace
+
+    r = _ROUTERS[op]
+    if r.table is not None:
+        if r.leave_later and not _tracing():
+            ROUTES.pop(op, None)
+            r.leave_later = False
+        return op in ROUTES or op not in BUILDERS
+    impls = {i.name: i for i in implementations.of(op)}
+    failed: dict[str, BaseException] = {}
+
+    def usable(name: str) -> bool:
+        impl = impls[name]
+        if name in failed:
+            return False
+        try:
+            impl.load()
+            return True
+        except Exception as exc:  # a build error, no compiler, no GPU, a bad artifact: try the next
+            if not env.fallback():
+                raise
+            failed[name] = exc
+            return False
+
+    def first_usable(skip: set[str] = frozenset()) -> tuple[str, Callable[..., Any]] | None:
+        for name, impl in impls.items():
+            if impl.fallback and name not in skip and usable(name):
+                return name, _continue if impl.in_body else impl.fn
+        return (FINAL, r.final) if r.final is not None else None
+
+    first = first_usable()
+    if first is None:
+        if failed:
+            raise next(iter(failed.values()))
+        raise RuntimeError(f"{op}: no implementation is registered")
+    default_name, default = first
+    data = trace.read(op, trace.key({n: i.key for n, i in impls.items()})) if impls else None
+    checked = trace.read(op, trace.key({n: i.key for n, i in impls.items()}), "check") if impls else None
+    picks: dict[Any, str] = {}
+    for where, name in (trace.choices(data) if data else {}).items():
+        if name in impls and usable(name):
+            picks[where] = name
+    excluded: dict[Any, set[str]] = {}
+    for source in (data, checked):
+        for where, names in (trace.excluded(source) if source else {}).items():
+            excluded.setdefault(where, set()).update(names)
+    for where, names in excluded.items():
+        if where not in picks and default_name in names and (other := first_usable(names)) is not None:
+            picks[where] = other[0]
+
+    if failed:
+        why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
+        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
+    picks = {_flat(where): name for where, name in picks.items()}
+    r.picks, r.default_name, r.default = picks, default_name, default
+    r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
+               for key, name in picks.items()}
+    if op in BUILDERS and not picks and default is _continue:
+        # The direct path: today's call plus one dict lookup. While Dynamo traces, the op stays in ROUTES
+        # (its router sends the call to the body all the same): the guards made after the trace read it.
+        if _tracing():
+            r.leave_later = True
+        else:
+            ROUTES.pop(op, None)
+        return False
+    return True
+
+
+def _tracing() -> bool:
+    """Whether Dynamo is tracing now (``resolve`` runs for real while it does)."""
+    import torch._guards
+
+    return torch._guards.TracingContext.try_get() is not None
+
+
+resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def reset(op: str | None = None) -> None:
+    """Forget the choices (of one op, or all), so that the next call resolves again: after a new trace,
+    or new implementations, in this process."""
+    for name in [op] if op else list(_ROUTERS):
+        r = router(name)
+        r.table, r.picks, r.default, r.default_name, r.leave_later = None, {}, _continue, "", False
+        if name in BUILDERS:
+            ROUTES[name] = r
+
+
+@contextlib.contextmanager
+def bypass(op: str) -> Iterator[None]:
+    """Calls of the built-in ``op`` inside go straight to our compiled op (check and tune time it so)."""
+    r = ROUTES.pop(op, None)
+    try:
+        yield
+    finally:
+        if r is not None:
+            ROUTES[op] = r
+
+
+def apply(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``@apply("name")`` on the op's reference function: calls go to the implementation chosen for them,
+    and to the decorated function when none can run. On a built-in op's name, the decorated function is
+    replaced by the built-in one (``opbuilder.ops``), which dispatches itself and falls back to the same
+    reference."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if op in BUILDERS:
+            from opbuilder.implementations import public_function
+
+            public = public_function(op)
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return public(*args, **kwargs)
+
+            return call
+        r = Router(op, final=fn)
+        _ROUTERS[op] = r
+        return r
+
+    return decorate

@@ -1,0 +1,110 @@
+"""A user's op with several versions, for the dispatch tests: ``y = 2 x + 1`` on [rows, width] float32,
+as a v1 kernel, a v2 that is wrong where the width is odd, and a version whose source does not compile.
+
+Written under build/ (not a temporary folder) so that a second test run finds the builds in the warm
+test cache: the cache key hashes the sources, and these never change between runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from opbuilder import definitions
+from opbuilder import implementations as impls
+
+BUILDERS = '''
+from opbuilder import OpBuilder
+
+
+class V1(OpBuilder):
+    NAME = "twice_plus_one"
+
+    def sources(self):
+        return ["v1.cpp"]
+
+
+class V2(OpBuilder):
+    NAME = "twice_plus_one"
+
+    def sources(self):
+        return ["v2.cpp"]
+
+
+class Broken(OpBuilder):
+    NAME = "twice_plus_one"
+
+    def sources(self):
+        return ["broken.cpp"]
+'''
+
+SOURCE = '''
+#include <opbuilder/library.h>
+#include <ATen/core/Tensor.h>
+
+namespace {{
+at::Tensor twice_plus_one(const at::Tensor& x) {{
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "twice_plus_one: x must be 2-D float32");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = xc.new_empty(xc.sizes());
+  const float* in = xc.const_data_ptr<float>();
+  float* out = y.mutable_data_ptr<float>();
+  const int64_t width = xc.size(1);
+  for (int64_t i = 0; i < xc.numel(); ++i) out[i] = in[i] * 2.0f + 1.0f{bug};
+  return y;
+}}
+}}  // namespace
+
+OPB_LIBRARY(m) {{ m.def("twice_plus_one(Tensor x) -> Tensor"); }}
+OPB_LIBRARY_IMPL(CPU, m) {{ m.impl("twice_plus_one", &twice_plus_one); }}
+'''
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def write(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    files = {
+        "userop_builders.py": BUILDERS,
+        "v1.cpp": SOURCE.format(bug=""),
+        "v2.cpp": SOURCE.format(bug=" + (width % 2 ? 0.25f : 0.0f)"),  # the bug: odd widths are off
+        # The first line fails (a fatal error, so the compiler stops at once rather than parsing ATen first).
+        "broken.cpp": '#include "not_written_yet.h"\n' + SOURCE.format(bug=""),
+    }
+    for name, text in files.items():
+        path = root / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return root
+
+
+def builders(root: Path):
+    spec = importlib.util.spec_from_file_location("userop_builders", write(root) / "userop_builders.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def define(op: str, root: Path, versions: tuple[str, ...]) -> None:
+    """Register the op ``op`` (a definition and the named versions, in order, then the reference)."""
+    module = builders(root)
+    definitions.register(definitions.Definition(
+        name=op,
+        axes=("rows", "width"),
+        inputs={"x": definitions.TensorSpec(("rows", "width"))},
+        outputs={"y": definitions.TensorSpec(("rows", "width"))},
+        reference=reference,
+        workloads=(
+            definitions.Workload("8x64", (8, 64)),
+            definitions.Workload("7x111", (7, 111)),
+            definitions.Workload("4096x64", (4096, 64)),
+        ),
+    ))
+    classes = {"v1": module.V1, "v2": module.V2, "broken": module.Broken}
+    for name in versions:
+        impls.register(op, impls.compiled(name, classes[name](), "twice_plus_one"))
+    impls.register(op, impls.reference(reference))
