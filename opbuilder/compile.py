@@ -361,8 +361,8 @@ def build(spec, say) -> Result:
         # ninja exited by itself: it removed what it had not finished, the objects left are whole.
         (work / _MARKER).unlink()
         raise CompileFailed(original_text(work, log))
+    (work / _MARKER).unlink()  # every object is whole: a re-key below must reuse them
     _discover(spec, work)
-    (work / _MARKER).unlink()
     return Result(work / f"{spec.name}.so", compiled, total, original_text(work, log))
 
 
@@ -436,7 +436,8 @@ def _covered_roots() -> list[str]:
     import torch
 
     roots = [os.path.dirname(torch.__file__), "/usr/include", "/usr/lib", "/usr/lib64", "/usr/local/cuda",
-             sysconfig.get_paths().get("include", ""), sysconfig.get_paths().get("platinclude", "")]
+             sysconfig.get_paths().get("include", ""), sysconfig.get_paths().get("platinclude", ""),
+             *toolchain.compiler_search_dirs()]
     home = toolchain.cuda_home()
     if home:
         roots.append(home)

@@ -106,15 +106,16 @@ def _identity_record(path: str, ident: str) -> dict:
     memo = memo if isinstance(memo, dict) else {}
     record = memo.get(ident)
     cxx = "nvcc" not in os.path.basename(path)
-    if isinstance(record, dict) and (not cxx or "openmp" in record):
+    if isinstance(record, dict) and (not cxx or ("openmp" in record and "include_dirs" in record)):
         return record
     if not isinstance(record, dict):
         record = {"version": _ask(path, ["--version"], last=not cxx)}
         if cxx:
             # A bare name back means the compiler has no shared C++ runtime to link.
             record["static_libstdcxx"] = "/" not in _ask(path, ["-print-file-name=libstdc++.so"])
-    if cxx:  # also completes a record remembered before this question was asked
+    if cxx:  # also completes a record remembered before these questions were asked
         record["openmp"] = _compiles_openmp(path)
+        record["include_dirs"] = _search_dirs(path)
     memo[ident] = record
     _write_memo(memo_path, memo)
     return record
@@ -128,6 +129,36 @@ def _compiles_openmp(path: str) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return out.returncode == 0
+
+
+def _search_dirs(path: str) -> list[str]:
+    """The folders ``path`` searches for ``#include <...>`` by itself (its own and the system's)."""
+    # Without the variables that add folders of the user's (those are keyed by content).
+    clean = {k: v for k, v in os.environ.items() if k not in ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")}
+    try:
+        out = subprocess.run([path, "-x", "c++", "-E", "-v", "-o", os.devnull, "-"], input="",
+                             capture_output=True, text=True, timeout=60, env=clean)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    lines = out.stderr.splitlines()
+    try:
+        start = lines.index("#include <...> search starts here:") + 1
+        end = lines.index("End of search list.", start)
+    except ValueError:
+        return []
+    dirs = [os.path.realpath(ln.strip().removesuffix(" (framework directory)")) for ln in lines[start:end]]
+    # /usr/local/include holds what an administrator installed, not the compiler's: keyed by content.
+    return [d for d in dirs if d != "/usr/local/include"]
+
+
+def compiler_search_dirs() -> list[str]:
+    """Where the C++ compiler and nvcc's host compiler find their own headers: their versions are in
+    the key, so these folders are covered by version, not by content."""
+    dirs: list[str] = []
+    for compiler in (cxx_path(), nvcc_host_path() or which("gcc")):
+        if compiler:
+            dirs += compiler_identity(compiler).get("include_dirs", [])
+    return list(dict.fromkeys(dirs))
 
 
 def _ask(path: str, args: list[str], last: bool = False) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -177,9 +178,11 @@ def test_the_compile_reads_nothing_from_the_callers_folder(tmp_path: Path, fresh
 
 
 def test_a_header_outside_the_include_paths_is_keyed(tmp_path: Path, fresh_cache: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
     """A header found through CPATH (or -I in the user's flags, or #include MACRO) is hashed once the
-    compiler has reported reading it: an edit rebuilds, a revert finds the old build."""
+    compiler has reported reading it: an edit rebuilds, a revert finds the old build. Keying it again
+    links the objects just compiled: nothing is compiled twice."""
     extra = tmp_path / "extra"
     extra.mkdir()
     (extra / "cpath_value.h").write_text("#pragma once\nconstexpr float kValue = 3;\n")
@@ -188,6 +191,9 @@ def test_a_header_outside_the_include_paths_is_keyed(tmp_path: Path, fresh_cache
     twofile.set_kernel(root, "kValue", extra="#include <cpath_value.h>")
     first = twofile.builder(root)
     assert first.load().inc_cpath(X).tolist() == [0, 3, 6]
+    built = [ln for ln in capfd.readouterr().err.splitlines() if "built inc_cpath" in ln or "keying it again" in ln]
+    assert len(built) == 2 and "keying it again" in built[0], built
+    assert built[1].endswith("(0 of 2 files compiled)"), built
     keyed = twofile.builder(root)
     assert str(extra / "cpath_value.h") in keyed.key_inputs()["discovered"]
     (extra / "cpath_value.h").write_text("#pragma once\nconstexpr float kValue = 4;\n")
@@ -305,3 +311,23 @@ def test_interrupting_opbuilder_build_stops_its_compilers_and_publishes_nothing(
     assert not _processes_with(marker), "compilers still run after Ctrl-C"
     published = [p for p in fresh_cache.glob("*/*/manifest.json")]
     assert published == [], f"published after Ctrl-C: {published}"
+
+
+def test_the_compilers_own_headers_are_not_discovered(tmp_path: Path, fresh_cache: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    """A compiler installed outside /usr (as /opt/gcc on the GPU machine) reads its own headers (stddef.h,
+    limits.h) from its own folder: covered by its version in the key, so the build is keyed once."""
+    own = tmp_path / "opt-gcc" / "include"
+    own.mkdir(parents=True)
+    (own / "vendor_builtin.h").write_text("#pragma once\nconstexpr float kValue = 7;\n")
+    wrapper = tmp_path / "opt-gcc" / "c++"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("c++")} -isystem {own} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    root = twofile.write_op(tmp_path / "proj", name="inc_vendor")
+    twofile.set_kernel(root, "kValue", extra="#include <vendor_builtin.h>")
+    assert twofile.builder(root).load().inc_vendor(X).tolist() == [0, 7, 14]
+    err = capfd.readouterr().err
+    assert "keying it again" not in err, err
+    assert not twofile.builder(root).key_inputs().get("discovered")
