@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -41,6 +42,8 @@ from opbuilder import cache, env, fingerprint, toolchain
 from opbuilder.errors import BuildError, CacheError
 
 GEN_DIR = "gen"
+SLOTS_DIR = ".slots"
+_SLOT_SCRIPT = str(Path(__file__).with_name("_slot.py"))
 SRC_DIR = "src"
 _MARKER = ".building"
 _NAMESPACE_TU = "opb_namespace.cpp"
@@ -107,30 +110,21 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _jobs(registry: Path) -> int:
-    """ninja's -j: OPB_MAX_JOBS, else this machine's cores shared among the builds running on it
-    (in this process and in others using the same cache), so several ops building at once do not
-    each start a compiler per core."""
+def _slots() -> int:
+    """How many compilers may run at once on this machine, over all the builds sharing the cache:
+    OPB_MAX_JOBS, else the cores this process may use. Each ninja may start that many jobs; the slot
+    files (``opbuilder._slot``) keep the total to it, so ops building at once share the cores."""
     explicit = env.max_jobs()
-    if explicit is not None:
-        return explicit
-    running = 0
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(registry):
-            pid = entry.partition(".")[0]
-            if pid.isdigit() and _alive(int(pid)):
-                running += 1
-    return max(1, _cores() // max(1, running))
+    return explicit if explicit is not None else _cores()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _slot_prefix() -> str:
+    return " ".join(shlex.quote(part) for part in (sys.executable, "-I", "-S", _SLOT_SCRIPT)) + " "
+
+
+def _compiler_command(compiler: str) -> str:
+    """The build file's command for ``compiler``: through the slot script (see ``opbuilder._slot``)."""
+    return _slot_prefix() + shlex.quote(compiler)
 
 
 def cancel_all() -> None:
@@ -280,7 +274,7 @@ def write_ninja(spec, work: Path) -> Path:
     cxx = toolchain.cxx_path()
     nvcc = toolchain.nvcc_path() if spec.with_cuda else None
     made_from = json.dumps([spec.name, sources, includes, fallback, cuda_fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
-                            spec.with_cuda, cxx, nvcc, torch.__version__, torch.__file__,
+                            spec.with_cuda, cxx, nvcc, sys.executable, _SLOT_SCRIPT, torch.__version__, torch.__file__,
                             {k: os.environ.get(k) for k in _CPP_EXTENSION_ENV}], sort_keys=True)
     memo = work / "build.ninja.from"
     target = work / "build.ninja"
@@ -304,11 +298,11 @@ def write_ninja(spec, work: Path) -> Path:
         extra_include_paths=includes, with_cuda=spec.with_cuda, with_sycl=False, is_standalone=False,
     )
     text = draft.read_text()
-    # Run exactly the compilers the key names (cpp_extension re-reads CXX itself).
+    # Run exactly the compilers the key names (cpp_extension re-reads CXX itself), each in a slot.
     if cxx:
-        text = re.sub(r"^cxx = .*$", lambda _m: f"cxx = {cxx}", text, count=1, flags=re.MULTILINE)
+        text = re.sub(r"^cxx = .*$", lambda _m: f"cxx = {_compiler_command(cxx)}", text, count=1, flags=re.MULTILINE)
     if nvcc:
-        text = re.sub(r"^nvcc = .*$", lambda _m: f"nvcc = {nvcc}", text, count=1, flags=re.MULTILINE)
+        text = re.sub(r"^nvcc = .*$", lambda _m: f"nvcc = {_compiler_command(nvcc)}", text, count=1, flags=re.MULTILINE)
     _write_if_changed(target, text.encode())
     draft.unlink()
     memo.write_text(made_from)
@@ -346,15 +340,7 @@ def build(spec, say) -> Result:
     _clear_interrupted(work)
     (work / _MARKER).write_text(str(os.getpid()))
     write_ninja(spec, work)
-    registry = env.cache_root() / ".active"
-    registry.mkdir(exist_ok=True)
-    token = registry / f"{os.getpid()}.{threading.get_ident()}"
-    token.touch()
-    try:
-        code, log, compiled, total = _run_ninja(spec, work, _jobs(registry), say)
-    finally:
-        with contextlib.suppress(OSError):
-            token.unlink()
+    code, log, compiled, total = _run_ninja(spec, work, say)
     if code < 0:
         raise BuildError(_killed_message(spec, -code, log))
     if code != 0:
@@ -379,10 +365,14 @@ def _killed_message(spec, signum: int, log: str) -> str:
     )
 
 
-def _run_ninja(spec, work: Path, jobs: int, say) -> tuple[int, str, list[str], int]:
+def _run_ninja(spec, work: Path, say) -> tuple[int, str, list[str], int]:
     raise_if_cancelled()
-    cmd = [_ninja(), "-C", str(work), "-j", str(jobs)] + (["-v"] if env.verbose() else [])
-    run_env = env.subprocess_env({"NINJA_STATUS": "[%f/%t] "})
+    slots = _slots()
+    folder = env.cache_root() / SLOTS_DIR
+    with contextlib.suppress(OSError):
+        folder.mkdir(exist_ok=True)
+    cmd = [_ninja(), "-C", str(work), "-j", str(slots)] + (["-v"] if env.verbose() else [])
+    run_env = env.subprocess_env({"NINJA_STATUS": "[%f/%t] ", "OPB_SLOTS": f"{folder}:{slots}"})
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *cmd],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -484,6 +474,8 @@ def compile_commands(spec) -> list[dict]:
     out = subprocess.run([_ninja(), "-C", str(work), "-t", "compdb", "compile", "cuda_compile"],
                          capture_output=True, text=True, check=True)
     entries = json.loads(original_text(work, out.stdout))
+    for entry in entries:  # clangd wants the compiler first, not the slot script
+        entry["command"] = entry.get("command", "").replace(_slot_prefix(), "", 1)
     return [e for e in entries if not e.get("file", "").endswith(_NAMESPACE_TU)]
 
 

@@ -259,15 +259,39 @@ def test_compile_commands_name_the_users_own_files(tmp_path: Path, fresh_cache: 
     assert all(str(fresh_cache) not in e["command"].split(" -o ")[0].split(" -c ")[1] for e in entries)
 
 
-def test_several_builds_share_the_cores(tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = tmp_path / "active"
-    registry.mkdir()
-    monkeypatch.setattr(ninja_build, "_cores", lambda: 8)
-    assert ninja_build._jobs(registry) == 8
-    for i in range(3):
-        (registry / f"{os.getpid()}.{i}").touch()
-    (registry / "999999999.1").touch()  # a dead process's entry does not count
-    assert ninja_build._jobs(registry) == 2
+def test_builds_running_at_once_share_the_cores(tmp_path: Path, fresh_cache: Path) -> None:
+    """Two processes building two ops on one cache, with 2 compile slots: never more than 2 compilers
+    at once (each ninja alone may start 2), and both builds finish."""
+    real = toolchain.cxx_path()
+    log = tmp_path / "compiles.log"
+    slow = tmp_path / "timed-cxx"
+    slow.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        case " $* " in *" -c "*) ;; *) exec {real} "$@";; esac
+        echo "+ $(date +%s.%N)" >> {log}
+        sleep 0.6
+        {real} "$@"; code=$?
+        echo "- $(date +%s.%N)" >> {log}
+        exit $code
+    """))
+    slow.chmod(0o755)
+    roots = [twofile.write_op(tmp_path / f"p{i}", name=f"inc_share{i}") for i in range(2)]
+    env = {**os.environ, "CXX": str(slow), "OPB_CACHE_DIR": str(fresh_cache), "OPB_MAX_JOBS": "2"}
+    script = "import sys\nsys.path.insert(0, {tests!r})\nimport twofile\nfrom pathlib import Path\n" \
+             "print(twofile.builder(Path({root!r})).load())\n"
+    procs = [subprocess.Popen([sys.executable, "-c", script.format(tests=str(Path(__file__).parent), root=str(r))],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in roots]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+    running, most, starts = 0, 0, 0
+    events = sorted((float(t), sign) for sign, t in (ln.split() for ln in log.read_text().splitlines()))
+    for _, sign in sorted(events, key=lambda e: (e[0], e[1] == "+")):  # an end before a start at the same time
+        running += 1 if sign == "+" else -1
+        starts += sign == "+"
+        most = max(most, running)
+    assert starts == 6  # two sources and the namespace unit of each op
+    assert most == 2, f"{most} compilers ran at once with 2 slots"
 
 
 def test_stable_key_names_the_abi_not_the_torch_version(tmp_path: Path, fresh_cache: Path,
