@@ -193,7 +193,7 @@ def _build(args: argparse.Namespace) -> int:
         else:
             print(f"{name}: skipped: " + "; ".join(reasons), flush=True)
     if todo:
-        # All at once by default: the builds share the cores (each compiles with its share of them).
+        # All at once by default: their compilers share the cores through the compile slots.
         failed += _build_all(todo, args.jobs or len(todo))
     if failed:
         _err(f"opbuilder build: failed: {', '.join(failed)}")
