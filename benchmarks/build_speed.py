@@ -11,7 +11,7 @@ interpreter's and torch's start-up are excluded and shown apart), the median of 
   and the op loaded; peer: ``cpp_extension.load`` of the same files after the same edit (its build folder
   kept, so ninja recompiles the one file). Both binding styles: stable ABI and classic ``torch/library.h``.
 - with --cuda (a GPU machine): cold relu CPU+CUDA, ``opbuilder build --all`` from an empty cache, and an
-  edit of one ``.cu`` of softmax followed by a load.
+  edit of one ``.cu`` of softmax (and of the kernels' header all its ``.cu`` include) followed by a load.
 """
 
 from __future__ import annotations
@@ -118,20 +118,43 @@ def cuda_cases(repeat: int):
                 raise RuntimeError(proc.stderr[-3000:])
             times.append(time.perf_counter() - started)
     yield {"case": "opbuilder build --all from an empty cache (whole command)", "ours": times, "peer": []}
-    kernels = HERE.parent / "kernels" / "softmax" / "softmax_forward.cu"
-    original = kernels.read_text()
-    times = []
+    softmax = HERE.parent / "kernels" / "softmax"
+    # One .cu of softmax (its float32 forward kernels), and the kernels' header every .cu includes.
+    for edited in (softmax / "softmax_forward_f32.cu", softmax / "softmax_kernel.cuh"):
+        yield edit_softmax(repeat, edited)
+
+
+SOFTMAX_PEER = textwrap.dedent("""
+    from torch.utils.cpp_extension import load
+    from opbuilder.registry import get_builder
+    spec = get_builder('softmax').build_spec()
+    load(name='softmax_peer', sources=spec.sources, extra_cflags=spec.cxx_args + ['-DOPB_NAMESPACE=opb_softmax_peer'],
+         extra_cuda_cflags=spec.nvcc_args + ['-DOPB_NAMESPACE=opb_softmax_peer'], extra_ldflags=spec.ldflags,
+         extra_include_paths=spec.include_paths, build_directory={build!r}, with_cuda=True, is_python_module=False)
+    torch.ops.opb_softmax_peer.forward(torch.randn(8, 8, device='cuda'))
+    torch.cuda.synchronize()
+""")
+
+
+def edit_softmax(repeat: int, edited: Path) -> dict:
+    """Edit one file of softmax, then load + first call; peer: cpp_extension.load's own incremental build
+    of the same sources after the same edit."""
+    original = edited.read_text()
+    ours, peer = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        env = {"OPB_CACHE_DIR": tmp}
+        env = {"OPB_CACHE_DIR": tmp + "/cache"}
         body = "import opbuilder.ops as ops\nops.softmax(torch.randn(8, 8, device='cuda'))\ntorch.cuda.synchronize()"
+        peer_body = SOFTMAX_PEER.format(build=tmp)
         run(body, env)
+        run(peer_body, env)
         try:
             for i in range(repeat):
-                kernels.write_text(original + f"\n// edit {i} {time.time()}\n")
-                times.append(run(body, env)[1])
+                edited.write_text(original + f"\n// edit {i} {time.time()}\n")
+                ours.append(run(body, env)[1])
+                peer.append(run(peer_body, env)[1])
         finally:
-            kernels.write_text(original)
-    yield {"case": "edit softmax_forward.cu, then load + first call", "ours": times, "peer": []}
+            edited.write_text(original)
+    return {"case": f"edit {edited.name}, then load + first call", "ours": ours, "peer": peer}
 
 
 def main() -> None:

@@ -415,7 +415,8 @@ QUICK_CU = r'''// Entry points for benchmarks/quick_layernorm.py (written by its
 #include <cstdint>
 
 #include "orig/fused_relu_layernorm_launch.cuh"
-#undef OPB_FRLN_INSTANTIATE
+#undef OPB_FRLN_FORWARD
+#undef OPB_FRLN_BACKWARD
 #include "fused_relu_layernorm/fused_relu_layernorm_launch.cuh"
 @PATCHED@
 

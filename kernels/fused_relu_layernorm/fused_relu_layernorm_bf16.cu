@@ -1,4 +1,4 @@
-// fused_relu_layernorm's kernels for __nv_bfloat16 data.
+// fused_relu_layernorm's forward kernels for bfloat16 data.
 #include "fused_relu_layernorm_launch.cuh"
 
-OPB_FRLN_INSTANTIATE(__nv_bfloat16)
+OPB_FRLN_FORWARD(__nv_bfloat16)

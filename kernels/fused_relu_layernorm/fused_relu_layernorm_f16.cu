@@ -1,4 +1,4 @@
-// fused_relu_layernorm's kernels for __half data.
+// fused_relu_layernorm's forward kernels for float16 data.
 #include "fused_relu_layernorm_launch.cuh"
 
-OPB_FRLN_INSTANTIATE(__half)
+OPB_FRLN_FORWARD(__half)

@@ -1,4 +1,4 @@
-// fused_relu_layernorm's kernels for float data.
+// fused_relu_layernorm's forward kernels for float data.
 #include "fused_relu_layernorm_launch.cuh"
 
-OPB_FRLN_INSTANTIATE(float)
+OPB_FRLN_FORWARD(float)

@@ -1,4 +1,4 @@
-// fused_relu_layernorm's kernels for double data.
+// fused_relu_layernorm's forward kernels for float64 data.
 #include "fused_relu_layernorm_launch.cuh"
 
-OPB_FRLN_INSTANTIATE(double)
+OPB_FRLN_FORWARD(double)

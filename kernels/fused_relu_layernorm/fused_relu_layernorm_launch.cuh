@@ -206,9 +206,13 @@ BwdPlan backward_typed(const BwdArgs& a, cudaStream_t stream, bool launch) {
 
 }  // namespace opb::fused_relu_layernorm
 
-// One line per element type, in that type's .cu file.
-#define OPB_FRLN_INSTANTIATE(T)                                                      \
+// One line per element type and direction, in its own .cu file (fused_relu_layernorm_<type>.cu for the
+// forward, fused_relu_layernorm_<type>_backward.cu): nvcc compiles them in parallel.
+#define OPB_FRLN_FORWARD(T)                                                          \
   namespace opb::fused_relu_layernorm {                                             \
   template cudaError_t forward_typed<T>(const FwdArgs&, cudaStream_t);              \
+  }
+#define OPB_FRLN_BACKWARD(T)                                                         \
+  namespace opb::fused_relu_layernorm {                                             \
   template BwdPlan backward_typed<T>(const BwdArgs&, cudaStream_t, bool launch);    \
   }

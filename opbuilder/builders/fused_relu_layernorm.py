@@ -5,13 +5,11 @@ class FusedReLULayerNormBuilder(BuiltinBuilder):
     NAME = "fused_relu_layernorm"
 
     def sources(self) -> list[str]:
-        # One .cu per element type, so nvcc compiles their kernels in parallel.
+        # One .cu per element type and direction, so nvcc compiles their kernels in parallel.
         return [
             "fused_relu_layernorm/binding.cpp",
             "fused_relu_layernorm/fused_relu_layernorm_cpu.cpp",
             "fused_relu_layernorm/fused_relu_layernorm.cu",
-            "fused_relu_layernorm/fused_relu_layernorm_f32.cu",
-            "fused_relu_layernorm/fused_relu_layernorm_f16.cu",
-            "fused_relu_layernorm/fused_relu_layernorm_bf16.cu",
-            "fused_relu_layernorm/fused_relu_layernorm_f64.cu",
+            *(f"fused_relu_layernorm/fused_relu_layernorm_{t}{d}.cu" for t in ("f32", "f16", "bf16", "f64")
+              for d in ("", "_backward")),
         ]

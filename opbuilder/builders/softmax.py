@@ -11,4 +11,5 @@ class SoftmaxBuilder(BuiltinBuilder):
             "softmax/softmax.cu",
             "softmax/softmax_forward.cu",
             "softmax/softmax_backward.cu",
+            *(f"softmax/softmax_{kind}_{t}.cu" for kind in ("forward", "backward") for t in ("f32", "f16", "bf16", "f64")),
         ]

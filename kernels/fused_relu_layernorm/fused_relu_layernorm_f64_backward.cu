@@ -1,0 +1,4 @@
+// fused_relu_layernorm's backward kernels for float64 data.
+#include "fused_relu_layernorm_launch.cuh"
+
+OPB_FRLN_BACKWARD(double)
