@@ -81,13 +81,18 @@ class OpBuilder:
         return []
 
     def cxx_args(self) -> list[str]:
-        args = ["-O3", toolchain.cxx_standard()] + toolchain.openmp_flags()[0]
+        args = ["-O3", self._cxx_standard()] + toolchain.openmp_flags()[0]
         arch = env.cpu_arch()
         return args + ([f"-march={arch}"] if arch else [])
 
     def nvcc_args(self) -> list[str]:
         libs = [f"-I{lib.include_dir}" for lib in self._cuda_libraries() if lib is not None]
-        return ["-O3", toolchain.cxx_standard(), "--expt-relaxed-constexpr"] + libs + toolchain.gencode_flags(self.cuda_archs())
+        return ["-O3", self._cxx_standard(), "--expt-relaxed-constexpr"] + libs + toolchain.gencode_flags(self.cuda_archs())
+
+    def _cxx_standard(self) -> str:
+        """The ABI target's standard for a stable-ABI op, else the one the installed torch's headers need.
+        A ``-std=`` of the op's own flags comes later and wins."""
+        return toolchain.STABLE_CXX_STANDARD if self.abi() == "stable" else toolchain.cxx_standard()
 
     def extra_ldflags(self) -> list[str]:
         flags = toolchain.libstdcxx_ldflags() + toolchain.openmp_flags()[1]

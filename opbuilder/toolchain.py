@@ -292,6 +292,9 @@ def find_cuda_library(name: str) -> CudaLibrary | None:
 
 #: The oldest torch a stable-ABI op runs on: its binary serves this version and every later one.
 STABLE_ABI_TARGET = (2, 10)
+#: The C++ standard of a stable-ABI build: the ABI target's (torch 2.10 builds with C++17), whatever
+#: torch is installed, so that a torch upgrade (2.13 moved to C++20) does not change the build's key.
+STABLE_CXX_STANDARD = "-std=c++17"
 
 
 def stable_abi_flags() -> list[str]:
