@@ -46,7 +46,10 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # distribution their tests spread over the workers and every worker sets the fixture up again (on the GPU
 # machine a build means nvcc): with "-n N" these modules run on one worker each (xdist's loadgroup, which
 # spreads every other test as "load" does).
-ONE_WORKER_MODULES = ("test_prebuild", "test_bench", "test_report_health", "test_cli")
+# test_dispatch_builtin and test_dispatch store traces for one op name in the shared cache and remove them
+# afterwards: on two workers, one test's trace would steer, or be removed under, another's.
+ONE_WORKER_MODULES = ("test_prebuild", "test_bench", "test_report_health", "test_cli", "test_dispatch_builtin",
+                      "test_dispatch")
 
 
 def pytest_configure(config: pytest.Config) -> None:
