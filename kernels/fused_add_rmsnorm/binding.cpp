@@ -69,7 +69,7 @@ void check_like(const char* op, const Tensor& ref, const char* ref_name, const T
 // Contiguous, and on CUDA 16-byte aligned (a view with an odd offset is copied): the kernels' loads are
 // 16 bytes wide.
 Tensor prepare(const Tensor& t) {
-  Tensor c = torch::stable::contiguous(t);
+  Tensor c = opb::contiguous(t);
   if (c.is_cuda() && c.numel() > 0 && reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 != 0) {
     c = torch::stable::clone(c);
   }
@@ -143,7 +143,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_common(const Tensor& grad_out,
   Tensor grad_h = opb::new_output(h);
   Tensor grad_h2 = two_grads ? opb::new_output(h) : Tensor();
   void* grad_h2_ptr = two_grads ? grad_h2.mutable_data_ptr() : nullptr;
-  Tensor grad_w = torch::stable::new_empty(w, w.sizes());
+  Tensor grad_w = opb::new_output(w);
   // No rows: the weight gradient is an empty sum.
   if (s.rows == 0) return {grad_h, grad_h2, torch::stable::zero_(grad_w)};
   const opb::DType dt = opb::dtype_of(h, kBwd, "residual_out");
@@ -154,7 +154,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_common(const Tensor& grad_out,
 #ifdef OPB_WITH_CUDA
     const auto guard = opb::device_guard(h);
     const int64_t ws_size = k::backward_workspace_size(s.rows, s.hidden, dt);
-    Tensor ws = torch::stable::new_empty(
+    Tensor ws = opb::new_tensor(
         h, {ws_size}, dt == opb::DType::Float64 ? opb::ScalarType::Double : opb::ScalarType::Float);
     opb::check_launch(k::launch_backward(gy.const_data_ptr(), ptr_or_null(gr), h.const_data_ptr(), w.const_data_ptr(),
                                          grad_h.mutable_data_ptr(), grad_h2_ptr, grad_w.mutable_data_ptr(),

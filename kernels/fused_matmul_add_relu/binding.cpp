@@ -130,7 +130,7 @@ bool matrix_view(const Tensor& t, Matrix* mat) {
 
 Tensor as_matrix(const Tensor& t, Matrix* mat) {
   if (matrix_view(t, mat)) return t;
-  Tensor c = torch::stable::contiguous(t);
+  Tensor c = opb::contiguous(t);
   matrix_view(c, mat);
   return c;
 }
@@ -161,7 +161,7 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   const Shape s = check_inputs(lhs, rhs, bias);
   const opb::DType dtype = opb::dtype_of(lhs, kOp, "lhs");
   const auto guard = opb::device_guard(lhs);
-  Tensor out = torch::stable::new_empty(lhs, s.out);
+  Tensor out = opb::new_tensor(lhs, s.out, lhs.scalar_type());
   if (out.numel() == 0) return out;
   if (s.k == 0) {  // the product is all zeros: relu(bias)
     if (bias.has_value()) {
@@ -192,15 +192,15 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
       // One value per output column ([N], [1, N], scalar): cuBLASLt's bias epilogue.
       const Tensor row = torch::stable::reshape(b, {bn});
       if (bn == s.n) {
-        bias_m = torch::stable::contiguous(row);
+        bias_m = opb::contiguous(row);
       } else {  // one value for every column: broadcast by copy_
-        bias_m = torch::stable::new_empty(b, {s.n});
+        bias_m = opb::new_tensor(b, {s.n}, b.scalar_type());
         torch::stable::copy_(bias_m, row);
       }
       p.bias_vector = bias_m.const_data_ptr();
     } else if (bm == s.m && bn == s.n && bb == s.batch) {
       // The output's full shape: C = bias with beta = 1, so D = relu(A B + C) in the same pass.
-      bias_m = torch::stable::contiguous(b);
+      bias_m = opb::contiguous(b);
       p.c = bias_m.const_data_ptr();
       p.c_batch_stride = s.batch > 1 ? s.m * s.n : 0;
     } else {
@@ -221,7 +221,7 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   }
 
   // From torch's caching allocator, stream-ordered: cheap per call, and CUDA graphs can capture it.
-  Tensor workspace = torch::stable::new_empty(lhs, {kWorkspaceBytes}, opb::ScalarType::Byte);
+  Tensor workspace = opb::new_tensor(lhs, {kWorkspaceBytes}, opb::ScalarType::Byte);
   const auto result = opb::fused_matmul_add_relu::launch(p, workspace.mutable_data_ptr(),
                                                          static_cast<size_t>(kWorkspaceBytes), opb::stream_of(lhs));
   if (result.status == Status::NotSupported) return forward_composed(lhs, rhs, bias);

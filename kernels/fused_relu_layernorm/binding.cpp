@@ -57,14 +57,14 @@ struct FwdInputs {
 FwdInputs prepare_forward(const Tensor& x, const std::optional<Tensor>& weight,
                           const std::optional<Tensor>& bias) {
   check_x(kFwd, x);
-  FwdInputs in{torch::stable::contiguous(x), {}, {}};
+  FwdInputs in{opb::contiguous(x), {}, {}};
   if (weight.has_value() && weight->defined()) {
     check_param(kFwd, "weight", *weight, x);
-    in.w = torch::stable::contiguous(*weight);
+    in.w = opb::contiguous(*weight);
   }
   if (bias.has_value() && bias->defined()) {
     check_param(kFwd, "bias", *bias, x);
-    in.b = torch::stable::contiguous(*bias);
+    in.b = opb::contiguous(*bias);
   }
   return in;
 }
@@ -78,8 +78,8 @@ Tensor3 forward_impl(const Tensor& x, const std::optional<Tensor>& weight,
   FwdInputs in = prepare_forward(x, weight, bias);
   Tensor y = opb::new_output(in.x);
   const std::vector<int64_t> lead = leading_sizes(in.x);
-  Tensor mean = torch::stable::new_empty(in.x, lead, stats_type(in.x));
-  Tensor rstd = torch::stable::new_empty(in.x, lead, stats_type(in.x));
+  Tensor mean = opb::new_tensor(in.x, lead, stats_type(in.x));
+  Tensor rstd = opb::new_tensor(in.x, lead, stats_type(in.x));
   const int64_t hidden = in.x.size(-1);
   const int64_t rows = hidden == 0 ? mean.numel() : in.x.numel() / hidden;
   if (hidden == 0) {
@@ -119,11 +119,11 @@ BwdInputs prepare_backward(const Tensor& grad_y, const Tensor& x, const std::opt
   };
   check_stats("mean", mean);
   check_stats("rstd", rstd);
-  BwdInputs in{torch::stable::contiguous(grad_y), torch::stable::contiguous(x), {}, torch::stable::contiguous(mean),
-               torch::stable::contiguous(rstd)};
+  BwdInputs in{opb::contiguous(grad_y), opb::contiguous(x), {}, opb::contiguous(mean),
+               opb::contiguous(rstd)};
   if (weight.has_value() && weight->defined()) {
     check_param(kBwd, "weight", *weight, x);
-    in.w = torch::stable::contiguous(*weight);
+    in.w = opb::contiguous(*weight);
   }
   return in;
 }
@@ -134,8 +134,8 @@ Tensor3 backward_impl(const Tensor& grad_y, const Tensor& x, const std::optional
   BwdInputs in = prepare_backward(grad_y, x, weight, mean, rstd);
   const int64_t hidden = in.x.size(-1);
   Tensor dx = opb::new_output(in.x);
-  Tensor dw = torch::stable::new_empty(in.x, {affine_grads ? hidden : 0});
-  Tensor db = torch::stable::new_empty(in.x, {affine_grads ? hidden : 0});
+  Tensor dw = opb::new_tensor(in.x, {affine_grads ? hidden : 0}, in.x.scalar_type());
+  Tensor db = opb::new_tensor(in.x, {affine_grads ? hidden : 0}, in.x.scalar_type());
   const int64_t rows = hidden == 0 ? 0 : in.x.numel() / hidden;
   if (rows == 0 || hidden == 0) {
     torch::stable::zero_(dw);  // a sum over no rows
@@ -178,7 +178,7 @@ Tensor3 backward_cuda(const Tensor& grad_y, const Tensor& x, const std::optional
     const int64_t elems = frln::backward_workspace_elems(args);
     Tensor workspace;
     if (elems > 0) {
-      workspace = torch::stable::new_empty(xc, {elems}, stats_type(xc));
+      workspace = opb::new_tensor(xc, {elems}, stats_type(xc));
       args.workspace = workspace.mutable_data_ptr();
     }
     opb::check_launch(frln::launch_backward(args, opb::stream_of(xc)), kBwd);

@@ -26,11 +26,11 @@ constexpr const char* kBwd = "relu_mask_backward";
 
 Tensor prepare(const char* op, const Tensor& x) {
   opb::dtype_of(x, op, "x");
-  return torch::stable::contiguous(x);
+  return opb::contiguous(x);
 }
 
 Tensor new_mask(const Tensor& x) {
-  return torch::stable::new_empty(x, {relu::mask_words(x.numel(), x.element_size())}, ScalarType::Int);
+  return opb::new_tensor(x, {relu::mask_words(x.numel(), x.element_size())}, ScalarType::Int);
 }
 
 struct BwdInputs {
@@ -47,10 +47,10 @@ BwdInputs prepare_backward(const Tensor& grad_y, const Tensor& mask) {
   const int64_t words = relu::mask_words(grad_y.numel(), grad_y.element_size());
   STD_TORCH_CHECK(mask.dim() == 1 && mask.size(0) == words, kBwd, ": mask must have shape [", words, "] for ",
                   grad_y.numel(), " ", grad_y.scalar_type(), " elements, got ", opb::shape_str(mask.sizes()));
-  Tensor m = torch::stable::contiguous(mask);
+  Tensor m = opb::contiguous(mask);
   // The GPU reads a tile's words with 16-byte loads.
   if (reinterpret_cast<uintptr_t>(m.const_data_ptr()) % 16 != 0) m = torch::stable::clone(m);
-  return {torch::stable::contiguous(grad_y), m};
+  return {opb::contiguous(grad_y), m};
 }
 
 Tensor relu_cpu(Tensor x) {

@@ -40,7 +40,7 @@ Rows rows_of(const Tensor& t, const char* op, const char* arg) {
 Tensor prepare_forward(const Tensor& x) {
   opb::dtype_of(x, kForward, "x");
   rows_of(x, kForward, "x");
-  return torch::stable::contiguous(x);
+  return opb::contiguous(x);
 }
 
 std::pair<Tensor, Tensor> prepare_backward(const Tensor& y, const Tensor& grad_y) {
@@ -52,7 +52,7 @@ std::pair<Tensor, Tensor> prepare_backward(const Tensor& y, const Tensor& grad_y
                   ", got ", opb::device_str(grad_y));
   STD_TORCH_CHECK(opb::same_shape(grad_y, y), kBackward, ": grad_y must have y's shape ", opb::shape_str(y.sizes()),
                   ", got ", opb::shape_str(grad_y.sizes()));
-  return {torch::stable::contiguous(y), torch::stable::contiguous(grad_y)};
+  return {opb::contiguous(y), opb::contiguous(grad_y)};
 }
 
 Tensor forward_cpu(Tensor x) {
@@ -105,7 +105,7 @@ opb::softmax::Plan plan_from(const std::vector<int64_t>& plan, const char* op) {
 
 Tensor workspace_for(const Tensor& like, const opb::softmax::Plan& plan, const opb::softmax::Problem& p) {
   const size_t bytes = opb::softmax::workspace_bytes(plan, p);
-  return torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, opb::ScalarType::Byte);
+  return opb::new_tensor(like, {static_cast<int64_t>(bytes)}, opb::ScalarType::Byte);
 }
 
 Tensor forward_cuda_plan(const Tensor& x, const std::optional<opb::softmax::Plan>& chosen) {
