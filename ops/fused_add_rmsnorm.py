@@ -48,6 +48,15 @@ def _register(ns: str) -> None:
     def _(input, weight, eps):
         return input.new_empty(input.shape)
 
+    # The forwards without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
+    def _(input, residual, weight, eps):
+        return input.new_empty(input.shape), input.new_empty(input.shape)
+
+    @torch.library.register_fake(f"{ns}::rms_norm.nograd")
+    def _(input, weight, eps):
+        return input.new_empty(input.shape)
+
     @torch.library.register_fake(f"{ns}::fused_add_rmsnorm_backward")
     def _(grad_out, grad_residual_out, residual_out, weight, eps):
         return residual_out.new_empty(residual_out.shape), weight.new_empty(weight.shape)
@@ -102,6 +111,8 @@ def _register(ns: str) -> None:
     # linear in the incoming gradients.
     sharding.rowwise(lib.fused_add_rmsnorm.default, params=["weight"])
     sharding.rowwise(lib.rms_norm.default, params=["weight"])
+    sharding.rowwise(lib.fused_add_rmsnorm.nograd, params=["weight"])
+    sharding.rowwise(lib.rms_norm.nograd, params=["weight"])
     grads = ["grad_out", "grad_residual_out"]
     sharding.rowwise(lib.fused_add_rmsnorm_backward.default, params=["weight"], reduced=[1], linear=grads)
     sharding.rowwise(lib.fused_add_rmsnorm_backward.two_grads, params=["weight"], reduced=[2], linear=grads)
@@ -173,7 +184,7 @@ def fused_add_rmsnorm(
         return out
     if eager.direct():
         fused = _ops.eager().fused_add_rmsnorm
-        return (fused.apply if eager.needs_grad(input, residual, weight) else fused.call)(*args)
+        return (fused.apply if eager.needs_grad(input, residual, weight) else fused.nograd)(*args)
     return fused_add_rmsnorm_op()(*args)
 
 
@@ -185,7 +196,7 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
     args = (input, weight, _check_eps(op, eps))
     if eager.direct():
         norm = _ops.eager().rms_norm
-        return (norm.apply if eager.needs_grad(input, weight) else norm.call)(*args)
+        return (norm.apply if eager.needs_grad(input, weight) else norm.nograd)(*args)
     return rms_norm_op()(*args)
 
 

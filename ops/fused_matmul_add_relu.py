@@ -65,6 +65,11 @@ def _register(ns: str) -> None:
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
 
+    # The forward without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::{_OP}.nograd")
+    def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
+
     def setup_context(ctx, inputs, output) -> None:
         lhs, rhs, bias = inputs
         ctx.save_for_backward(lhs, rhs, output)
@@ -86,6 +91,7 @@ def _register(ns: str) -> None:
     # DTensor: mm/bmm's rules (split B, M or N; the bias like the output); K is not split, as the ReLU
     # cannot be applied to partial sums.
     sharding.matmul(getattr(getattr(torch.ops, ns), _OP).default)
+    sharding.matmul(getattr(getattr(torch.ops, ns), _OP).nograd)
 
 
 _ops = LazyOps(_OP, _register)
@@ -155,7 +161,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         return y
     if eager.direct():
         op = _ops.eager().fused_matmul_add_relu
-        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.call)(lhs, rhs, bias)
+        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 

@@ -27,6 +27,11 @@ def _register(ns: str) -> None:
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
+    # relu.nograd: relu without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::relu.nograd")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
     @torch.library.register_fake(f"{ns}::relu_mask")
     def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
@@ -89,6 +94,7 @@ def _register(ns: str) -> None:
 
     lib = getattr(torch.ops, ns)
     sharding.elementwise(lib.relu.default)
+    sharding.elementwise(lib.relu.nograd)
     sharding.custom(lib.relu_mask.default, mask_rule)
     sharding.custom(lib.relu_mask_backward.default, mask_backward_rule)
 
@@ -120,8 +126,7 @@ def relu(x: torch.Tensor) -> torch.Tensor:
         ops = _ops.eager()
         if x.requires_grad and torch.is_grad_enabled():
             return ops.relu_mask.apply(x)[0]
-        with eager.below_autograd():
-            return ops.relu.entry(x)
+        return ops.relu.nograd(x)
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]

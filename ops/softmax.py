@@ -32,6 +32,12 @@ def _register(ns: str) -> None:
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
+    # forward.nograd: the forward without an autograd formula, for calls that record no gradient
+    # (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::forward.nograd")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
     @torch.library.register_fake(f"{ns}::backward")
     def _(y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
         return torch.empty(y.shape, dtype=y.dtype, device=y.device)
@@ -66,9 +72,11 @@ def _register(ns: str) -> None:
 
     # torch.softmax runs in float32 under CUDA autocast (float64 kept); so does this op.
     torch.library.register_autocast(f"{ns}::forward", "cuda", torch.float32)
+    torch.library.register_autocast(f"{ns}::forward.nograd", "cuda", torch.float32)
 
     # DTensor: rows split on any dim but the last (the one softmax reads whole); the backward is linear in grad_y.
     sharding.rowwise(ops.forward.default)
+    sharding.rowwise(ops.forward.nograd)
     sharding.rowwise(ops.backward.default, linear=["grad_y"])
 
 
@@ -119,7 +127,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return y
     if eager.direct():
         forward = _ops.eager().forward
-        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.call
+        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.nograd
     else:
         op = forward_op()
     ndim = x.dim()

@@ -4,6 +4,9 @@
 //   fused_add_rmsnorm_backward(grad_out, grad_residual_out?, residual_out, weight, eps) -> (grad_input, grad_weight)
 //   fused_add_rmsnorm_backward.two_grads(same) -> (grad_input, grad_residual, grad_weight)
 //   rms_norm(input, weight, eps) -> out                      (no residual: nothing extra read or written)
+//   fused_add_rmsnorm.nograd, rms_norm.nograd                 the same with no autograd formula: what a call
+//                                                            that records no gradient takes
+//                                                            (ops/fused_add_rmsnorm.py registers none for them)
 //
 // grad_input is the gradient of both input and residual. two_grads returns it twice, as two tensors
 // written by one kernel: autograd, handed one tensor for two inputs, clones it (a full read and write more).
@@ -188,6 +191,8 @@ OPB_LIBRARY(m) {
       "fused_add_rmsnorm_backward.two_grads(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, "
       "Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rmsnorm.nograd(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm.nograd(Tensor input, Tensor weight, float eps) -> Tensor");
 }
 
 OPB_LIBRARY_IMPL(CPU, m) {
@@ -195,6 +200,8 @@ OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("fused_add_rmsnorm_backward", TORCH_BOX(&backward_impl));
   m.impl("fused_add_rmsnorm_backward.two_grads", TORCH_BOX(&backward_two_grads_impl));
   m.impl("rms_norm", TORCH_BOX(&rms_norm_impl));
+  m.impl("fused_add_rmsnorm.nograd", TORCH_BOX(&fused_add_rmsnorm_impl));
+  m.impl("rms_norm.nograd", TORCH_BOX(&rms_norm_impl));
 }
 
 #ifdef OPB_WITH_CUDA
@@ -203,5 +210,7 @@ OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("fused_add_rmsnorm_backward", TORCH_BOX(&backward_impl));
   m.impl("fused_add_rmsnorm_backward.two_grads", TORCH_BOX(&backward_two_grads_impl));
   m.impl("rms_norm", TORCH_BOX(&rms_norm_impl));
+  m.impl("fused_add_rmsnorm.nograd", TORCH_BOX(&fused_add_rmsnorm_impl));
+  m.impl("rms_norm.nograd", TORCH_BOX(&rms_norm_impl));
 }
 #endif

@@ -2,6 +2,8 @@
 //
 // out = relu(lhs @ rhs + bias). lhs: [M, K] or [B, M, K]; rhs: [K, N] or [B, K, N] (a batch of 1, or
 // a 2-D operand, broadcasts); bias: broadcastable to out ([N] is the common case), or None.
+// fused_matmul_add_relu.nograd: the same with no autograd formula, what a call that records no gradient
+// takes (ops/fused_matmul_add_relu.py registers none for it).
 #include <opbuilder/stable.h>
 
 #include <array>
@@ -232,10 +234,19 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
 
 }  // namespace
 
-OPB_LIBRARY(m) { m.def("fused_matmul_add_relu(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor"); }
+OPB_LIBRARY(m) {
+  m.def("fused_matmul_add_relu(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
+  m.def("fused_matmul_add_relu.nograd(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
+}
 
-OPB_LIBRARY_IMPL(CPU, m) { m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cpu)); }
+OPB_LIBRARY_IMPL(CPU, m) {
+  m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cpu));
+  m.impl("fused_matmul_add_relu.nograd", TORCH_BOX(&forward_cpu));
+}
 
 #ifdef OPB_WITH_CUDA
-OPB_LIBRARY_IMPL(CUDA, m) { m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cuda)); }
+OPB_LIBRARY_IMPL(CUDA, m) {
+  m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cuda));
+  m.impl("fused_matmul_add_relu.nograd", TORCH_BOX(&forward_cuda));
+}
 #endif

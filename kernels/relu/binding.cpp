@@ -1,6 +1,8 @@
 // relu as Torch ops on the LibTorch stable ABI: schemas, input checks, CPU and CUDA implementations.
 //
 //   relu(x) -> y
+//   relu.nograd(x) -> y                        relu with no autograd formula: what a call that records no
+//                                              gradient takes (ops/relu.py registers none for it)
 //   relu_mask(x) -> (y, mask)                  y as relu; mask: the sign bits the backward needs (relu_mask.h)
 //   relu_mask_backward(grad_y, mask) -> grad_x grad_y where the bit is 1, else 0
 #include <opbuilder/stable.h>
@@ -115,12 +117,14 @@ Tensor relu_mask_backward_cuda(Tensor grad_y, Tensor mask) {
 
 OPB_LIBRARY(m) {
   m.def("relu(Tensor x) -> Tensor");
+  m.def("relu.nograd(Tensor x) -> Tensor");
   m.def("relu_mask(Tensor x) -> (Tensor, Tensor)");
   m.def("relu_mask_backward(Tensor grad_y, Tensor mask) -> Tensor");
 }
 
 OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("relu", TORCH_BOX(&relu_cpu));
+  m.impl("relu.nograd", TORCH_BOX(&relu_cpu));
   m.impl("relu_mask", TORCH_BOX(&relu_mask_cpu));
   m.impl("relu_mask_backward", TORCH_BOX(&relu_mask_backward_cpu));
 }
@@ -128,6 +132,7 @@ OPB_LIBRARY_IMPL(CPU, m) {
 #ifdef OPB_WITH_CUDA
 OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("relu", TORCH_BOX(&relu_cuda));
+  m.impl("relu.nograd", TORCH_BOX(&relu_cuda));
   m.impl("relu_mask", TORCH_BOX(&relu_mask_cuda));
   m.impl("relu_mask_backward", TORCH_BOX(&relu_mask_backward_cuda));
 }
