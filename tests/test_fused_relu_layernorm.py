@@ -358,6 +358,8 @@ def test_bad_input_names_argument_expected_and_got() -> None:
     for call, exc, pattern in cases:
         with pytest.raises(exc, match="fused_relu_layernorm: " + pattern):
             call()
+    with pytest.raises(ValueError, match=r"fused_relu_layernorm: weight must have shape \[6\] .* got \[5\]"):
+        fused_relu_layernorm(x.clone().requires_grad_(), torch.ones(5))  # the same where a gradient is needed
     # The meta device beside another reaches the fakes (the Meta kernels), not the device's kernel: they
     # check the devices too, rather than return an uninitialised tensor.
     for overload in (fused_relu_layernorm_op(), fused_relu_layernorm_op()._overloadpacket.nograd):

@@ -10,6 +10,8 @@
 #include <optional>
 #include <vector>
 
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>
+
 #include "fused_matmul_add_relu_cpu.h"
 #ifdef OPB_WITH_CUDA
 #include "fused_matmul_add_relu.cuh"
@@ -93,9 +95,17 @@ BiasView bias_view(const std::optional<Tensor>& bias, const Shape& s) {
 Tensor forward_cpu(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   const Shape s = check_inputs(lhs, rhs, bias);
   const opb::DType dtype = opb::dtype_of(lhs, kOp, "lhs");
-  // One GEMM by ATen through the dispatcher (it handles broadcast batches and transposed views without
-  // copies where BLAS can), then one fused pass for the bias and the ReLU.
-  Tensor out = torch::stable::contiguous(torch::stable::matmul(lhs, rhs));
+  // One GEMM by ATen (it reads transposed views without copies where BLAS can), then one fused pass for
+  // the bias and the ReLU. The linear layer's 2-D product goes straight to ATen's CPU mm into our output
+  // (the C shim's mm_out: no operator looked up by name, no boxed call; 0.5 us a call at 4x4); batches,
+  // and their broadcasts, through matmul by the dispatcher.
+  Tensor out;
+  if (lhs.dim() == 2 && rhs.dim() == 2) {
+    out = opb::new_tensor(lhs, s.out, lhs.scalar_type());
+    TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_mm_out(out.get(), lhs.get(), rhs.get()));
+  } else {
+    out = opb::contiguous(torch::stable::matmul(lhs, rhs));
+  }
   STD_TORCH_CHECK(out.sizes().equals(s.out), kOp, ": internal error: matmul gave shape ",
                   opb::shape_str(out.sizes()), ", expected ", opb::shape_str(s.out));
   if (out.numel() == 0) return out;
