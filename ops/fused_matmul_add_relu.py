@@ -161,7 +161,8 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     float32/float16/bfloat16 (float64 too, for gradcheck), all on one device. Returns a new contiguous
     tensor; transposed views (e.g. ``weight.t()``) are read in place on CUDA.
     """
-    if type(lhs) is torch.Tensor and not _AUTOCAST() and _OP not in _ROUTES and eager.direct():
+    direct = eager.direct()
+    if direct and type(lhs) is torch.Tensor and not _AUTOCAST() and _OP not in _ROUTES:
         # The usual call. The C++ op checks every input (as _check does); only where it refuses them does
         # _check run, to raise the named TypeError/ValueError (reading each input first costs 1-2 us a call).
         op = _ops.eager().fused_matmul_add_relu
@@ -180,7 +181,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     _check_same_and_shapes(lhs, rhs, bias)
     if _OP in _ROUTES and (y := _ROUTES[_OP](lhs, rhs, bias)) is not None:  # a trace's choice, or a fallback
         return y
-    if eager.direct():
+    if direct:
         op = _ops.eager().fused_matmul_add_relu
         return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)

@@ -132,7 +132,8 @@ def fused_relu_layernorm(
     weight, bias: [hidden] of x's dtype and device, or None. Statistics are accumulated in float32
     (float64 for float64 x). Returns y of x's shape and dtype (contiguous).
     """
-    if type(x) is torch.Tensor and type(eps) is float and not _AUTOCAST() and _OP not in _ROUTES and eager.direct():
+    direct = eager.direct()
+    if direct and type(x) is torch.Tensor and type(eps) is float and not _AUTOCAST() and _OP not in _ROUTES:
         # The usual call. The C++ op checks every input; only where it refuses them do the Python checks
         # run, to raise the named TypeError/ValueError (reading each input here first costs 1 us a call).
         op = _ops.eager().fused_relu_layernorm
@@ -153,7 +154,7 @@ def fused_relu_layernorm(
     if _OP in _ROUTES and (y := _ROUTES[_OP](x, weight, bias, eps)) is not None:  # a trace's choice, or a fallback
         return y if out_dtype is None else y.to(out_dtype)
     args = (x.contiguous(), weight, bias, eps)
-    if eager.direct():
+    if direct:
         op = _ops.eager().fused_relu_layernorm
         y = op.apply(*args)[0] if eager.needs_grad(x, weight, bias) else op.nograd(*args)
     else:

@@ -124,7 +124,7 @@ def _extra(name: str) -> tuple:
 
 # The op below a call that needs a gradient (inside the Function): the nograd overload where it returns
 # what the registered op returns, else the registered op itself (LayerNorm's statistics, relu's mask).
-_GRAD_CALLS = {"relu": "relu_mask", "fused_relu_layernorm": "fused_relu_layernorm"}
+_GRAD_CALLS = {"relu": "relu_mask.nograd", "fused_relu_layernorm": "fused_relu_layernorm"}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -247,6 +247,21 @@ def test_other_contexts_take_the_registered_op(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(eager, "_IS_COMPILING", lambda: True)
     assert not eager.direct()
     assert not type(ops.relu(x).grad_fn).__name__.startswith("Eager_")
+
+
+def test_autocast_keeps_the_function_where_the_op_has_no_autocast_rule() -> None:
+    relu_mod = sys.modules["opbuilder.ops.relu"]
+    x = torch.randn(3, 4, requires_grad=True)
+    ops.relu(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.relu(x)  # relu_mask has no autocast rule: autocast would pass the registered op by too
+        want = relu_mod.relu_mask_op()(x)[0]
+    assert type(y.grad_fn).__name__.startswith("Eager_") and y.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    # softmax has one (CUDA's float32 rule): with a gradient, its registered op under any autocast
+    assert not eager._has_autocast_rule(relu_mod.relu_mask_op()._schema.name)
+    softmax_op = sys.modules["opbuilder.ops.softmax"].forward_op()
+    assert eager._has_autocast_rule(softmax_op._schema.name) and eager._has_autocast_rule(softmax_op._schema.name + ".nograd")
 
 
 def test_compiled_call_records_the_registered_op() -> None:

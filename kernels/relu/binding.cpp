@@ -4,6 +4,8 @@
 //   relu.nograd(x) -> y                        relu with no autograd formula: what a call that records no
 //                                              gradient takes (ops/relu.py registers none for it)
 //   relu_mask(x) -> (y, mask)                  y as relu; mask: the sign bits the backward needs (relu_mask.h)
+//   relu_mask.nograd(x) -> (y, mask)           relu_mask with no autograd formula: what the forward of a call
+//                                              that needs a gradient runs inside its autograd.Function
 //   relu_mask_backward(grad_y, mask) -> grad_x grad_y where the bit is 1, else 0
 #include <opbuilder/stable.h>
 
@@ -119,6 +121,7 @@ OPB_LIBRARY(m) {
   m.def("relu(Tensor x) -> Tensor");
   m.def("relu.nograd(Tensor x) -> Tensor");
   m.def("relu_mask(Tensor x) -> (Tensor, Tensor)");
+  m.def("relu_mask.nograd(Tensor x) -> (Tensor, Tensor)");
   m.def("relu_mask_backward(Tensor grad_y, Tensor mask) -> Tensor");
 }
 
@@ -126,6 +129,7 @@ OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("relu", TORCH_BOX(&relu_cpu));
   m.impl("relu.nograd", TORCH_BOX(&relu_cpu));
   m.impl("relu_mask", TORCH_BOX(&relu_mask_cpu));
+  m.impl("relu_mask.nograd", TORCH_BOX(&relu_mask_cpu));
   m.impl("relu_mask_backward", TORCH_BOX(&relu_mask_backward_cpu));
 }
 
@@ -134,6 +138,7 @@ OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("relu", TORCH_BOX(&relu_cuda));
   m.impl("relu.nograd", TORCH_BOX(&relu_cuda));
   m.impl("relu_mask", TORCH_BOX(&relu_mask_cuda));
+  m.impl("relu_mask.nograd", TORCH_BOX(&relu_mask_cuda));
   m.impl("relu_mask_backward", TORCH_BOX(&relu_mask_backward_cuda));
 }
 #endif
