@@ -7,14 +7,26 @@ needs a gradient. For a small tensor that is most of the call's time (16 floats 
 through ``torch.ops`` against 1.1 us for ``torch.relu``). So, in plain eager mode, the op functions
 call the C++ op directly:
 
-- no gradient needed: the op's C++ entry below the Autograd keys (what the registered kernel does
-  itself after its checks), one guard and one call;
+- no gradient needed: the op's ``nograd`` overload where it has one (``<op>.nograd``: the same kernels
+  with no autograd formula, so its Autograd key is torch's C++ fallback, and only the outputs a caller
+  sees, e.g. LayerNorm's y without mean and rstd), one C call; else the op's C++ entry below the
+  Autograd keys (what the registered kernel does itself after its checks), one guard and one call;
 - a gradient needed: an ``autograd.Function`` made from the *same* ``setup_context`` and ``backward``
   that were registered (``register_autograd`` here records them), applied through the C entry of
-  ``Function.apply`` (the Python ``apply`` binds the signature and checks for functorch first).
+  ``Function.apply`` (the Python ``apply`` binds the signature and checks for functorch first). Its
+  forward runs the ``nograd`` overload where that returns what the registered op returns. This
+  Function is the floor of a call that needs a gradient (about 2.5 us on the 2-core CPU machine where
+  aten records a C++ node in well under 1): the stable ABI has no C++ autograd kernel to register.
+
+A ``nograd`` overload is not differentiable: called by hand on inputs that need a gradient, it gets
+torch's fallback for ops without autograd (a warning at backward, no gradient). The functions here
+take it only where no gradient is recorded.
 
 Everything else -- ``torch.compile`` (Dynamo traces the registered op), functorch transforms (vmap,
-grad), forward-mode AD -- takes the registered op, so opcheck, compile and autograd see one op.
+grad), forward-mode AD -- takes the registered op, so opcheck, compile and autograd see one op. Under
+autocast, an op with an autocast rule (``register_autocast``) takes the registered op where a gradient
+is needed (the rule must cast before autograd sees the inputs); its ``nograd`` overload carries the
+same rule.
 """
 
 from __future__ import annotations
@@ -56,14 +68,21 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*tensors)
 
 
+#: The overload name of an op's forward without autograd (see the module docstring).
+NOGRAD = "nograd"
+
+
 class EagerOp:
     """One loaded op overload's direct entries.
 
-    ``call(*args)``: the op without autograd (the result needs no gradient). ``apply(*args)``: the op
-    recorded by autograd with its registered formula; None when it has none.
+    ``call(*args)``: the op without autograd (the result needs no gradient). ``nograd(*args)``: the
+    op's ``nograd`` overload, a C callable (no guard needed: its Autograd key is torch's fallback, which
+    records nothing where no input needs a gradient); None where the op has none. ``apply(*args)``: the
+    op recorded by autograd with its registered formula (the C entry of ``Function.apply`` itself where
+    the op has no autocast rule); None when it has none.
     """
 
-    __slots__ = ("apply", "call", "entry", "overload")
+    __slots__ = ("apply", "call", "entry", "nograd", "overload")
 
     def __init__(self, overload: torch._ops.OpOverload) -> None:
         self.overload = overload
@@ -76,23 +95,41 @@ class EagerOp:
                 return entry(*args)
 
         self.call = call
+        packet = overload._overloadpacket
+        nograd = getattr(packet, NOGRAD) if overload._overloadname == "default" and NOGRAD in packet.overloads() else None
+        self.nograd = None if nograd is None else nograd._op
         name = overload._schema.name
         if overload._overloadname != "default":
             name = f"{name}.{overload._overloadname}"
         registered = _AUTOGRAD.get(name)
-        self.apply = None if registered is None else _function(name, overload, call, *registered)
+        # The Function's forward: the nograd overload where it returns all the registered op returns
+        # (setup_context may save any output), without the guard's Python object and frame.
+        same = nograd is not None and len(nograd._schema.returns) == len(overload._schema.returns)
+        self.apply = None if registered is None else _function(name, overload, entry, same and self.nograd,
+                                                               *registered)
 
 
-def _function(name: str, overload: torch._ops.OpOverload, call: Callable[..., Any],
+def _function(name: str, overload: torch._ops.OpOverload, entry: Callable[..., Any], nograd: Callable[..., Any] | None,
               setup_context: Callable[..., None], backward: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(ctx: Any, *args: Any) -> Any:
-        output = call(*args)
-        setup_context(ctx, args, output)
-        return output
+    # Function.apply runs forward with grad mode off, so the nograd overload's autograd fallback only
+    # passes the call on; the registered op needs the guard (its Python autograd kernel would run).
+    if nograd:
+        def forward(ctx: Any, *args: Any) -> Any:
+            output = nograd(*args)
+            setup_context(ctx, args, output)
+            return output
+    else:
+        def forward(ctx: Any, *args: Any) -> Any:
+            with _BELOW_AUTOGRAD():
+                output = entry(*args)
+            setup_context(ctx, args, output)
+            return output
 
     cls = type(f"Eager_{name.replace('::', '_').replace('.', '_')}", (torch.autograd.Function,),
                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
     function_apply = _FUNCTION_APPLY.__get__(None, cls)
+    if not _has_autocast_rule(name):
+        return function_apply  # autocast passes such an op by: the Function is what the registered op does
 
     def apply(*args: Any) -> Any:
         # Under autocast an op's autocast rule casts where the op is dispatched: the registered op
@@ -102,6 +139,15 @@ def _function(name: str, overload: torch._ops.OpOverload, call: Callable[..., An
         return function_apply(*args)
 
     return apply
+
+
+_AUTOCAST_KEYS = [key for key in torch._C.DispatchKey.__members__ if key.startswith("Autocast")]
+
+
+def _has_autocast_rule(name: str) -> bool:
+    """Whether the op ("ns::op" or "ns::op.overload") has a kernel at an autocast key (a
+    ``register_autocast`` rule), as its registrations stand when its first eager call binds it."""
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _AUTOCAST_KEYS)
 
 
 class EagerOps:

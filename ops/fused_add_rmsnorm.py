@@ -35,17 +35,38 @@ from opbuilder.dispatch import ROUTES as _ROUTES
 from opbuilder.lazy import LazyOps
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 
 
 def _register(ns: str) -> None:
     lib = getattr(torch.ops, ns)
 
+    # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
+    # the other device's kernel and its checks, so they check the devices (the functions' usual path leaves
+    # the checks to the op).
     @torch.library.register_fake(f"{ns}::fused_add_rmsnorm")
     def _(input, residual, weight, eps):
+        if residual.device != input.device or weight.device != input.device:
+            _check_fused(input, residual, weight, eps)
         return input.new_empty(input.shape), input.new_empty(input.shape)
 
     @torch.library.register_fake(f"{ns}::rms_norm")
     def _(input, weight, eps):
+        if weight.device != input.device:
+            _check_rms(input, weight, eps)
+        return input.new_empty(input.shape)
+
+    # The forwards without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
+    def _(input, residual, weight, eps):
+        if residual.device != input.device or weight.device != input.device:
+            _check_fused(input, residual, weight, eps)
+        return input.new_empty(input.shape), input.new_empty(input.shape)
+
+    @torch.library.register_fake(f"{ns}::rms_norm.nograd")
+    def _(input, weight, eps):
+        if weight.device != input.device:
+            _check_rms(input, weight, eps)
         return input.new_empty(input.shape)
 
     @torch.library.register_fake(f"{ns}::fused_add_rmsnorm_backward")
@@ -102,6 +123,8 @@ def _register(ns: str) -> None:
     # linear in the incoming gradients.
     sharding.rowwise(lib.fused_add_rmsnorm.default, params=["weight"])
     sharding.rowwise(lib.rms_norm.default, params=["weight"])
+    sharding.rowwise(lib.fused_add_rmsnorm.nograd, params=["weight"])
+    sharding.rowwise(lib.rms_norm.nograd, params=["weight"])
     grads = ["grad_out", "grad_residual_out"]
     sharding.rowwise(lib.fused_add_rmsnorm_backward.default, params=["weight"], reduced=[1], linear=grads)
     sharding.rowwise(lib.fused_add_rmsnorm_backward.two_grads, params=["weight"], reduced=[2], linear=grads)
@@ -163,30 +186,62 @@ def fused_add_rmsnorm(
     weight: [hidden], same dtype and device. Non-contiguous inputs are accepted.
     """
     op = "fused_add_rmsnorm"
-    _check_input_and_weight(op, input, weight)
-    check_float(op, "residual", residual)
-    check_same(op, "input", input, "residual", residual)
-    if residual.shape != input.shape:
-        raise ValueError(f"{op}: residual must have input's shape {list(input.shape)}, got {list(residual.shape)}")
-    args = (input, residual, weight, _check_eps(op, eps))
+    direct = eager.direct()
+    if direct and type(input) is torch.Tensor and type(eps) is float and op not in _ROUTES:
+        # The usual call. The C++ op checks every input (as _check_fused does); only where it refuses them
+        # does _check_fused run, to raise the named TypeError/ValueError (reading each input first costs
+        # 1-2 us a call).
+        fused = _ops.eager().fused_add_rmsnorm
+        try:
+            if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(input, residual, weight):
+                return fused.apply(input, residual, weight, eps)
+            return fused.nograd(input, residual, weight, eps)
+        except (RuntimeError, TypeError) as exc:
+            error = exc
+        _check_fused(input, residual, weight, eps)  # outside the handler: a named error does not chain the op's
+        raise error
+    args = (input, residual, weight, _check_fused(input, residual, weight, eps))
     if op in _ROUTES and (out := _ROUTES[op](*args)) is not None:  # a trace's choice, or a fallback
         return out
-    if eager.direct():
+    if direct:
         fused = _ops.eager().fused_add_rmsnorm
-        return (fused.apply if eager.needs_grad(input, residual, weight) else fused.call)(*args)
+        return (fused.apply if eager.needs_grad(input, residual, weight) else fused.nograd)(*args)
     return fused_add_rmsnorm_op()(*args)
 
 
 def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``input * rsqrt(mean(input^2, -1) + eps) * weight`` (fp32 accumulation), like
     ``F.rms_norm(input, (hidden,), weight, eps)``. input: [..., hidden]; weight: [hidden], same dtype."""
-    op = "rms_norm"
-    _check_input_and_weight(op, input, weight)
-    args = (input, weight, _check_eps(op, eps))
     if eager.direct():
         norm = _ops.eager().rms_norm
-        return (norm.apply if eager.needs_grad(input, weight) else norm.call)(*args)
-    return rms_norm_op()(*args)
+        if type(input) is torch.Tensor and type(eps) is float:  # the usual call: the op checks, as above
+            try:
+                if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(input, weight):
+                    return norm.apply(input, weight, eps)
+                return norm.nograd(input, weight, eps)
+            except (RuntimeError, TypeError) as exc:
+                error = exc
+            _check_rms(input, weight, eps)
+            raise error
+        args = (input, weight, _check_rms(input, weight, eps))
+        return (norm.apply if eager.needs_grad(input, weight) else norm.nograd)(*args)
+    return rms_norm_op()(input, weight, _check_rms(input, weight, eps))
+
+
+def _check_fused(input: object, residual: object, weight: object, eps: object) -> float:
+    """The named TypeError/ValueError for inputs fused_add_rmsnorm does not take; else eps as a float."""
+    op = "fused_add_rmsnorm"
+    _check_input_and_weight(op, input, weight)
+    check_float(op, "residual", residual)
+    check_same(op, "input", input, "residual", residual)
+    if residual.shape != input.shape:
+        raise ValueError(f"{op}: residual must have input's shape {list(input.shape)}, got {list(residual.shape)}")
+    return _check_eps(op, eps)
+
+
+def _check_rms(input: object, weight: object, eps: object) -> float:
+    _check_input_and_weight("rms_norm", input, weight)
+    return _check_eps("rms_norm", eps)
 
 
 # ---- layers -------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from opbuilder.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+_AUTOCAST = torch._C._is_any_autocast_enabled
+_ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 
 
 def _out_shape(lhs_shape: torch.Size, rhs_shape: torch.Size) -> list[int]:
@@ -61,8 +63,18 @@ def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor) -> t
 
 
 def _register(ns: str) -> None:
+    # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
+    # the other device's kernel and its checks, so they check the devices (the function's usual path
+    # leaves the checks to the op).
     @torch.library.register_fake(f"{ns}::{_OP}")
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        _check_devices(lhs, rhs, bias)
+        return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
+
+    # The forward without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::{_OP}.nograd")
+    def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        _check_devices(lhs, rhs, bias)
         return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
 
     def setup_context(ctx, inputs, output) -> None:
@@ -86,6 +98,7 @@ def _register(ns: str) -> None:
     # DTensor: mm/bmm's rules (split B, M or N; the bias like the output); K is not split, as the ReLU
     # cannot be applied to partial sums.
     sharding.matmul(getattr(getattr(torch.ops, ns), _OP).default)
+    sharding.matmul(getattr(getattr(torch.ops, ns), _OP).nograd)
 
 
 _ops = LazyOps(_OP, _register)
@@ -94,6 +107,13 @@ _ops = LazyOps(_OP, _register)
 def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
     """The loaded Torch op (``torch.ops.opb_fused_matmul_add_relu_<key>.fused_matmul_add_relu.default``)."""
     return _ops().fused_matmul_add_relu.default
+
+
+def _check_devices(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The named error where rhs or bias is on another device than lhs (see the fakes)."""
+    if rhs.device != lhs.device or (bias is not None and bias.device != lhs.device):
+        _check_floats(lhs, rhs, bias)
+        _check_same_and_shapes(lhs, rhs, bias)
 
 
 def _autocast(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -141,22 +161,44 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     float32/float16/bfloat16 (float64 too, for gradcheck), all on one device. Returns a new contiguous
     tensor; transposed views (e.g. ``weight.t()``) are read in place on CUDA.
     """
+    direct = eager.direct()
+    if direct and type(lhs) is torch.Tensor and not _AUTOCAST() and _OP not in _ROUTES:
+        # The usual call. The C++ op checks every input (as _check does); only where it refuses them does
+        # _check run, to raise the named TypeError/ValueError (reading each input first costs 1-2 us a call).
+        op = _ops.eager().fused_matmul_add_relu
+        try:
+            if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(lhs, rhs, bias):
+                return op.apply(lhs, rhs, bias)
+            return op.nograd(lhs, rhs, bias)
+        except (RuntimeError, TypeError) as exc:
+            error = exc
+        _check_floats(lhs, rhs, bias)  # outside the handler: a named error does not chain the op's
+        _check_same_and_shapes(lhs, rhs, bias)
+        raise error
+    _check_floats(lhs, rhs, bias)
+    if _AUTOCAST():
+        lhs, rhs, bias = _autocast([lhs, rhs, bias])
+    _check_same_and_shapes(lhs, rhs, bias)
+    if _OP in _ROUTES and (y := _ROUTES[_OP](lhs, rhs, bias)) is not None:  # a trace's choice, or a fallback
+        return y
+    if direct:
+        op = _ops.eager().fused_matmul_add_relu
+        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
+    return fused_matmul_add_relu_op()(lhs, rhs, bias)
+
+
+def _check_floats(lhs: object, rhs: object, bias: object) -> None:
     check_float(_OP, "lhs", lhs)
     check_float(_OP, "rhs", rhs)
     if bias is not None:
         check_float(_OP, "bias", bias)
-    if torch._C._is_any_autocast_enabled():
-        lhs, rhs, bias = _autocast([lhs, rhs, bias])
+
+
+def _check_same_and_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_same(_OP, "lhs", lhs, "rhs", rhs)
     if bias is not None:
         check_same(_OP, "lhs", lhs, "bias", bias)
     _check_shapes(lhs, rhs, bias)
-    if _OP in _ROUTES and (y := _ROUTES[_OP](lhs, rhs, bias)) is not None:  # a trace's choice, or a fallback
-        return y
-    if eager.direct():
-        op = _ops.eager().fused_matmul_add_relu
-        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.call)(lhs, rhs, bias)
-    return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 
 class FusedLinearReLU(nn.Module):

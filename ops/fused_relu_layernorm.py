@@ -16,6 +16,8 @@ from opbuilder.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_AUTOCAST = torch._C._is_any_autocast_enabled
+_ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -23,14 +25,25 @@ def _stats_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _register(ns: str) -> None:
+    # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
+    # the other device's kernel and its checks, so they check the devices (fused_relu_layernorm's fast path
+    # leaves the checks to the op).
     @torch.library.register_fake(f"{ns}::fused_relu_layernorm")
     def _(x, weight, bias, eps):
+        _check_devices(x, weight, bias, eps)
         stats = x.shape[:-1]
         return (
             torch.empty(x.shape, dtype=x.dtype, device=x.device),
             torch.empty(stats, dtype=_stats_dtype(x), device=x.device),
             torch.empty(stats, dtype=_stats_dtype(x), device=x.device),
         )
+
+    # The forward without an autograd formula and without the statistics, for calls that record no
+    # gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::fused_relu_layernorm.nograd")
+    def _(x, weight, bias, eps):
+        _check_devices(x, weight, bias, eps)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
     @torch.library.register_fake(f"{ns}::fused_relu_layernorm_backward")
     def _(grad_y, x, weight, mean, rstd, affine_grads):
@@ -61,6 +74,7 @@ def _register(ns: str) -> None:
     # grad_weight and grad_bias sum over the rows (Partial when they are split); linear in grad_y.
     lib = getattr(torch.ops, ns)
     sharding.rowwise(lib.fused_relu_layernorm.default, params=["weight", "bias"])
+    sharding.rowwise(lib.fused_relu_layernorm.nograd, params=["weight", "bias"])
     sharding.rowwise(lib.fused_relu_layernorm_backward.default, params=["weight"], reduced=[1, 2], linear=["grad_y"])
 
 
@@ -80,9 +94,6 @@ def fused_relu_layernorm_backward_op() -> torch._ops.OpOverload:
 def _check_param(arg: str, value: object, x: torch.Tensor) -> torch.Tensor | None:
     if value is None:
         return None
-    if (type(value) is torch.Tensor or type(value) is nn.Parameter) and value.dtype is x.dtype \
-            and value.dim() == 1 and value.shape[0] == x.shape[-1] and value.device == x.device:
-        return value  # the usual case in a few reads (on every call's path); the named errors below
     t = check_tensor(_OP, arg, value)
     check_same(_OP, "x", x, arg, t)
     if t.dim() != 1 or t.shape[0] != x.shape[-1]:
@@ -121,26 +132,50 @@ def fused_relu_layernorm(
     weight, bias: [hidden] of x's dtype and device, or None. Statistics are accumulated in float32
     (float64 for float64 x). Returns y of x's shape and dtype (contiguous).
     """
+    direct = eager.direct()
+    if direct and type(x) is torch.Tensor and type(eps) is float and not _AUTOCAST() and _OP not in _ROUTES:
+        # The usual call. The C++ op checks every input; only where it refuses them do the Python checks
+        # run, to raise the named TypeError/ValueError (reading each input here first costs 1 us a call).
+        op = _ops.eager().fused_relu_layernorm
+        try:
+            if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(x, weight, bias):
+                # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
+                return op.apply(x.contiguous(), weight, bias, eps)[0]
+            return op.nograd(x, weight, bias, eps)  # the op makes x contiguous itself
+        except (RuntimeError, TypeError) as exc:
+            error = exc
+        _check(x, weight, bias, eps)  # outside the handler: a named error does not chain the op's
+        raise error
+    out_dtype = None
+    if _AUTOCAST():
+        check_float(_OP, "x", x)
+        x, weight, bias, out_dtype = _autocast(x, weight, bias)
+    weight, bias, eps = _check(x, weight, bias, eps)
+    if _OP in _ROUTES and (y := _ROUTES[_OP](x, weight, bias, eps)) is not None:  # a trace's choice, or a fallback
+        return y if out_dtype is None else y.to(out_dtype)
+    args = (x.contiguous(), weight, bias, eps)
+    if direct:
+        op = _ops.eager().fused_relu_layernorm
+        y = op.apply(*args)[0] if eager.needs_grad(x, weight, bias) else op.nograd(*args)
+    else:
+        y = fused_relu_layernorm_op()(*args)[0]
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def _check_devices(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> None:
+    """The named error where weight or bias is on another device than x (see the fakes)."""
+    if (weight is not None and weight.device != x.device) or (bias is not None and bias.device != x.device):
+        _check(x, weight, bias, eps)
+
+
+def _check(x: object, weight: object, bias: object, eps: object) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """The named TypeError/ValueError for inputs the op does not take; else (weight, bias, eps as a float)."""
     check_float(_OP, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{_OP}: x must have at least 1 dimension (the normalized one), got a 0-d tensor")
     if type(eps) is not float and (not isinstance(eps, numbers.Real) or isinstance(eps, bool)):
         raise TypeError(f"{_OP}: eps must be a float, got {type(eps).__name__}")
-    out_dtype = None
-    if torch._C._is_any_autocast_enabled():
-        x, weight, bias, out_dtype = _autocast(x, weight, bias)
-    weight = _check_param("weight", weight, x)
-    bias = _check_param("bias", bias, x)
-    if _OP in _ROUTES and (y := _ROUTES[_OP](x, weight, bias, float(eps))) is not None:  # a trace's choice, or a fallback
-        return y if out_dtype is None else y.to(out_dtype)
-    # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
-    args = (x.contiguous(), weight, bias, float(eps))
-    if eager.direct():
-        op = _ops.eager().fused_relu_layernorm
-        y = (op.apply if eager.needs_grad(x, weight, bias) else op.call)(*args)[0]
-    else:
-        y = fused_relu_layernorm_op()(*args)[0]
-    return y if out_dtype is None else y.to(out_dtype)
+    return _check_param("weight", weight, x), _check_param("bias", bias, x), float(eps)
 
 
 class FusedReLULayerNorm(nn.Module):

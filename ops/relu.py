@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opbuilder.ops._checks import check_float
+from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder import sharding
 from opbuilder import eager
 from opbuilder.dispatch import ROUTES as _ROUTES
@@ -27,7 +27,18 @@ def _register(ns: str) -> None:
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
+    # relu.nograd: relu without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::relu.nograd")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
     @torch.library.register_fake(f"{ns}::relu_mask")
+    def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
+
+    # relu_mask without an autograd formula: the forward of relu_mask's Function (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::relu_mask.nograd")
     def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
@@ -89,7 +100,9 @@ def _register(ns: str) -> None:
 
     lib = getattr(torch.ops, ns)
     sharding.elementwise(lib.relu.default)
+    sharding.elementwise(lib.relu.nograd)
     sharding.custom(lib.relu_mask.default, mask_rule)
+    sharding.custom(lib.relu_mask.nograd, mask_rule)
     sharding.custom(lib.relu_mask_backward.default, mask_backward_rule)
 
 
@@ -113,15 +126,16 @@ def relu_mask_backward_op() -> torch._ops.OpOverload:
 
 def relu(x: torch.Tensor) -> torch.Tensor:
     """``max(x, 0)`` elementwise. x: any shape, float32/float16/bfloat16, CPU or CUDA."""
-    check_float("relu", "x", x)
-    if "relu" in _ROUTES and (y := _ROUTES["relu"](x)) is not None:  # a trace's choice, or a fallback
-        return y
+    if not (type(x) is torch.Tensor and x.dtype in FLOAT_DTYPES and "relu" not in _ROUTES):
+        # Anything but the usual call (checked in a few reads above: it is on every call's path).
+        check_float("relu", "x", x)
+        if "relu" in _ROUTES and (y := _ROUTES["relu"](x)) is not None:  # a trace's choice, or a fallback
+            return y
     if eager.direct() and type(x) is torch.Tensor:  # a subclass (a DTensor, ...) takes the registered op
         ops = _ops.eager()
         if x.requires_grad and torch.is_grad_enabled():
             return ops.relu_mask.apply(x)[0]
-        with eager.below_autograd():
-            return ops.relu.entry(x)
+        return ops.relu.nograd(x)
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]

@@ -16,7 +16,7 @@ import operator
 import torch
 from torch import nn
 
-from opbuilder.ops._checks import check_float
+from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder import sharding
 from opbuilder import eager
 from opbuilder.dispatch import ROUTES as _ROUTES
@@ -29,6 +29,12 @@ def _register(ns: str) -> None:
     ops = getattr(torch.ops, ns)
 
     @torch.library.register_fake(f"{ns}::forward")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    # forward.nograd: the forward without an autograd formula, for calls that record no gradient
+    # (opbuilder.eager).
+    @torch.library.register_fake(f"{ns}::forward.nograd")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -66,9 +72,11 @@ def _register(ns: str) -> None:
 
     # torch.softmax runs in float32 under CUDA autocast (float64 kept); so does this op.
     torch.library.register_autocast(f"{ns}::forward", "cuda", torch.float32)
+    torch.library.register_autocast(f"{ns}::forward.nograd", "cuda", torch.float32)
 
     # DTensor: rows split on any dim but the last (the one softmax reads whole); the backward is linear in grad_y.
     sharding.rowwise(ops.forward.default)
+    sharding.rowwise(ops.forward.nograd)
     sharding.rowwise(ops.backward.default, linear=["grad_y"])
 
 
@@ -113,20 +121,25 @@ def _check_dim(x: torch.Tensor, dim: object) -> int:
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``torch.softmax(x, dim)``. x: any shape (0-d gives 1, or NaN for NaN/inf, as torch does),
     float32/float16/bfloat16/float64, CPU or CUDA; the result has x's dtype and shape."""
-    check_float(_OP, "x", x)
-    dim = _check_dim(x, dim)
-    if _OP in _ROUTES and (y := _ROUTES[_OP](x, dim)) is not None:  # a trace's choice, or a fallback
-        return y
+    ndim = x.ndim if type(x) is torch.Tensor else -1
+    if type(dim) is int and (dim == -1 or dim == ndim - 1) and ndim > 0 and x.dtype in FLOAT_DTYPES \
+            and _OP not in _ROUTES:
+        dim = ndim - 1  # the usual call (over the last dim), checked in a few reads: it is on every call's path
+    else:
+        check_float(_OP, "x", x)
+        dim = _check_dim(x, dim)
+        if _OP in _ROUTES and (y := _ROUTES[_OP](x, dim)) is not None:  # a trace's choice, or a fallback
+            return y
+        ndim = x.dim()
     if eager.direct():
         forward = _ops.eager().forward
-        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.call
+        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.nograd
     else:
         op = forward_op()
-    ndim = x.dim()
+    if dim == ndim - 1 and ndim:
+        return op(x)
     if ndim == 0:
         return op(x.reshape(1)).reshape(())
-    if dim == ndim - 1:
-        return op(x)
     return op(x.movedim(dim, -1)).movedim(-1, dim)
 
 

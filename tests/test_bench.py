@@ -80,7 +80,7 @@ def test_host_rows_hold_ours_against_the_torch_call(relu_run: tuple[int, dict, P
     assert [(r["op"], r["requires_grad"]) for r in rows] == [("relu", False), ("relu", True)]
     for r in rows:
         assert r["torch"] == "torch.relu" and r["limit"] == 2.5 and r["shape"] == [16]
-        assert r["ours_us"] > 0 and r["torch_us"] > 0
+        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["floor_us"] > 0
         assert close(r["ratio"], r["ours_us"] / r["torch_us"]) and r["within"] == (r["ratio"] <= r["limit"])
     assert "## Host time per call" in (out / "RESULTS.md").read_text()
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opbuilder import eager, ops
 
@@ -88,6 +89,100 @@ def test_plain_call_skips_the_python_autograd_kernel(name: str) -> None:
     assert [f for f in files if f.endswith("_library/autograd.py")], "the probe must see the registered kernel"
 
 
+class _Calls(TorchDispatchMode):
+    """The name (with the overload) of every op that reaches the dispatcher below autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.names.append(func.name().split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+# name -> the registered op (an OpOverloadPacket) and which of its outputs the function returns
+_PACKETS: dict[str, tuple[str, str, slice]] = {
+    "relu": ("opbuilder.ops.relu", "relu", slice(None)),
+    "softmax": ("opbuilder.ops.softmax", "forward", slice(None)),
+    "fused_relu_layernorm": ("opbuilder.ops.fused_relu_layernorm", "fused_relu_layernorm", slice(0, 1)),
+    "fused_add_rmsnorm": ("opbuilder.ops.fused_add_rmsnorm", "fused_add_rmsnorm", slice(None)),
+    "rms_norm": ("opbuilder.ops.fused_add_rmsnorm", "rms_norm", slice(None)),
+    "fused_matmul_add_relu": ("opbuilder.ops.fused_matmul_add_relu", "fused_matmul_add_relu", slice(None)),
+}
+
+
+def _packet(name: str) -> tuple[torch._ops.OpOverloadPacket, slice]:
+    module, op, outputs = _PACKETS[name]
+    return getattr(sys.modules[module]._ops(), op), outputs
+
+
+def _extra(name: str) -> tuple:
+    """The arguments after the tensors that the registered op takes (eps)."""
+    return {"fused_relu_layernorm": (1e-5,), "fused_add_rmsnorm": (1e-6,), "rms_norm": (1e-6,)}.get(name, ())
+
+
+# The op below a call that needs a gradient (inside the Function): the nograd overload where it returns
+# what the registered op returns, else the registered op itself (LayerNorm's statistics, relu's mask).
+_GRAD_CALLS = {"relu": "relu_mask.nograd", "fused_relu_layernorm": "fused_relu_layernorm"}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plain_call_runs_the_nograd_overload(name: str) -> None:
+    ours, _registered, make = _cases()[name]
+    args = make()
+    ours(*args)
+    op = _PACKETS[name][1]
+    with _Calls() as calls:
+        ours(*args)
+    assert calls.names == [f"{op}.nograd"]
+    with _Calls() as calls:
+        ours(*[t.requires_grad_() for t in args])
+    # (save_for_backward of an output detaches it)
+    assert [n for n in calls.names if n != "detach"] == [_GRAD_CALLS.get(name, f"{op}.nograd")], calls.names
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nograd_overload_is_the_registered_op_without_autograd(name: str, dtype: torch.dtype) -> None:
+    _ours, _registered, make = _cases()[name]
+    packet, outputs = _packet(name)
+    assert "nograd" in packet.overloads()
+    args = [t.to(dtype) for t in make()]
+    if args[0].dim() == 2 and name != "fused_matmul_add_relu":
+        args[0] = torch.randn(args[0].shape[1], args[0].shape[0], dtype=dtype).t()  # strided input
+    full = (*args, *_extra(name))
+    want = _tuple(packet.default(*full))[outputs]
+    got = _tuple(packet.nograd(*full))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert g.is_contiguous() and not g.requires_grad
+    # the meaning, against float64 torch
+    ref = {
+        "relu": lambda x: torch.relu(x),
+        "softmax": lambda x: torch.softmax(x, -1),
+        "fused_relu_layernorm": lambda x, w, b: torch.nn.functional.layer_norm(torch.relu(x), x.shape[-1:], w, b, 1e-5),
+        "fused_add_rmsnorm": lambda a, r, w: (torch.nn.functional.rms_norm(a + r, a.shape[-1:], w, 1e-6), a + r),
+        "rms_norm": lambda a, w: torch.nn.functional.rms_norm(a, a.shape[-1:], w, 1e-6),
+        "fused_matmul_add_relu": lambda a, b, c: torch.relu(a @ b + c),
+    }[name](*[t.double() for t in args])
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    for g, r in zip(got, _tuple(ref)):
+        torch.testing.assert_close(g.double(), r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_nograd_overload_opcheck_and_compile(name: str) -> None:
+    _ours, _registered, make = _cases()[name]
+    packet, _ = _packet(name)
+    full = (*make(), *_extra(name))
+    torch.library.opcheck(packet.nograd, full)
+    fn = torch.compile(lambda *a: packet.nograd(*a), backend="aot_eager", fullgraph=True)
+    for g, w in zip(_tuple(fn(*full)), _tuple(packet.nograd(*full))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_grad_call_uses_the_registered_formula(name: str) -> None:
     ours, registered, make = _cases()[name]
@@ -152,6 +247,21 @@ def test_other_contexts_take_the_registered_op(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(eager, "_IS_COMPILING", lambda: True)
     assert not eager.direct()
     assert not type(ops.relu(x).grad_fn).__name__.startswith("Eager_")
+
+
+def test_autocast_keeps_the_function_where_the_op_has_no_autocast_rule() -> None:
+    relu_mod = sys.modules["opbuilder.ops.relu"]
+    x = torch.randn(3, 4, requires_grad=True)
+    ops.relu(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.relu(x)  # relu_mask has no autocast rule: autocast would pass the registered op by too
+        want = relu_mod.relu_mask_op()(x)[0]
+    assert type(y.grad_fn).__name__.startswith("Eager_") and y.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    # softmax has one (CUDA's float32 rule): with a gradient, its registered op under any autocast
+    assert not eager._has_autocast_rule(relu_mod.relu_mask_op()._schema.name)
+    softmax_op = sys.modules["opbuilder.ops.softmax"].forward_op()
+    assert eager._has_autocast_rule(softmax_op._schema.name) and eager._has_autocast_rule(softmax_op._schema.name + ".nograd")
 
 
 def test_compiled_call_records_the_registered_op() -> None:

@@ -408,8 +408,14 @@ def test_layers_under_autocast_match_torch(device, in_dtype):
 # ---- bad input ------------------------------------------------------------------------------------------
 
 
-def test_bad_input_names_argument_expected_and_got():
+@pytest.mark.parametrize("grad", [False, True])
+def test_bad_input_names_argument_expected_and_got(grad):
     x, r, w = make((3, 8), torch.float32, "cpu")
+    # Loaded and dispatched first: the calls below take the usual path, where the C++ op checks the inputs
+    # and the named errors come from the Python checks only once it has refused them; with a gradient too.
+    fused_add_rmsnorm(x, r, w)
+    rms_norm(x, w)
+    x.requires_grad_(grad)
     with pytest.raises(TypeError, match="^fused_add_rmsnorm: residual must have input's dtype torch.float32, got"):
         fused_add_rmsnorm(x, r.half(), w)
     with pytest.raises(TypeError, match="weight must have input's dtype torch.float32, got torch.bfloat16"):

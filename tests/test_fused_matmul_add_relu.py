@@ -200,8 +200,15 @@ def _t(*shape, dtype=torch.float32, device="cpu"):
          "dtype_bias", "device", "integer", "integer_bias", "rank1", "rank4", "batch_mismatch", "not_a_tensor"],
 )
 def test_bad_input_raises(args, error, match):
+    # Loaded and dispatched first: the call below takes the usual path, where the C++ op checks the inputs
+    # and the named errors come from the Python checks only once it has refused them.
+    fused_matmul_add_relu(_t(2, 3), _t(3, 2), _t(2))
     with pytest.raises(error, match=match):
         fused_matmul_add_relu(*args)
+    for grad in (False, True):  # the same where a gradient is needed (the Function's forward refuses them)
+        tensors = [a.requires_grad_(grad) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        with pytest.raises(error, match=match):
+            fused_matmul_add_relu(*tensors)
 
 
 # A direct torch.ops call skips the Python checks; the C++ ones must say the same. Run in a fresh

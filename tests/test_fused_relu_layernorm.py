@@ -335,6 +335,9 @@ def test_layer_dtype_and_bad_size() -> None:
 
 def test_bad_input_names_argument_expected_and_got() -> None:
     x = torch.randn(4, 6)
+    # Loaded and dispatched first: the calls below take the usual path, where the C++ op checks the inputs
+    # and the named errors come from the Python checks only once it has refused them.
+    fused_relu_layernorm(x, torch.ones(6), torch.zeros(6))
     cases = [
         (lambda: fused_relu_layernorm(torch.arange(6).view(1, 6)), TypeError, "x must be float32.*got torch.int64"),
         (lambda: fused_relu_layernorm([1.0]), TypeError, "x must be a torch.Tensor, got list"),
@@ -355,6 +358,13 @@ def test_bad_input_names_argument_expected_and_got() -> None:
     for call, exc, pattern in cases:
         with pytest.raises(exc, match="fused_relu_layernorm: " + pattern):
             call()
+    with pytest.raises(ValueError, match=r"fused_relu_layernorm: weight must have shape \[6\] .* got \[5\]"):
+        fused_relu_layernorm(x.clone().requires_grad_(), torch.ones(5))  # the same where a gradient is needed
+    # The meta device beside another reaches the fakes (the Meta kernels), not the device's kernel: they
+    # check the devices too, rather than return an uninitialised tensor.
+    for overload in (fused_relu_layernorm_op(), fused_relu_layernorm_op()._overloadpacket.nograd):
+        with pytest.raises(ValueError, match="bias must be on x's device cpu, got meta"):
+            overload(x, None, torch.zeros(6, device="meta"), 1e-5)
 
 
 @requires_cuda

@@ -4,6 +4,9 @@
 //   fused_add_rmsnorm_backward(grad_out, grad_residual_out?, residual_out, weight, eps) -> (grad_input, grad_weight)
 //   fused_add_rmsnorm_backward.two_grads(same) -> (grad_input, grad_residual, grad_weight)
 //   rms_norm(input, weight, eps) -> out                      (no residual: nothing extra read or written)
+//   fused_add_rmsnorm.nograd, rms_norm.nograd                 the same with no autograd formula: what a call
+//                                                            that records no gradient takes
+//                                                            (ops/fused_add_rmsnorm.py registers none for them)
 //
 // grad_input is the gradient of both input and residual. two_grads returns it twice, as two tensors
 // written by one kernel: autograd, handed one tensor for two inputs, clones it (a full read and write more).
@@ -69,7 +72,7 @@ void check_like(const char* op, const Tensor& ref, const char* ref_name, const T
 // Contiguous, and on CUDA 16-byte aligned (a view with an odd offset is copied): the kernels' loads are
 // 16 bytes wide.
 Tensor prepare(const Tensor& t) {
-  Tensor c = torch::stable::contiguous(t);
+  Tensor c = opb::contiguous(t);
   if (c.is_cuda() && c.numel() > 0 && reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 != 0) {
     c = torch::stable::clone(c);
   }
@@ -143,7 +146,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_common(const Tensor& grad_out,
   Tensor grad_h = opb::new_output(h);
   Tensor grad_h2 = two_grads ? opb::new_output(h) : Tensor();
   void* grad_h2_ptr = two_grads ? grad_h2.mutable_data_ptr() : nullptr;
-  Tensor grad_w = torch::stable::new_empty(w, w.sizes());
+  Tensor grad_w = opb::new_output(w);
   // No rows: the weight gradient is an empty sum.
   if (s.rows == 0) return {grad_h, grad_h2, torch::stable::zero_(grad_w)};
   const opb::DType dt = opb::dtype_of(h, kBwd, "residual_out");
@@ -154,7 +157,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_common(const Tensor& grad_out,
 #ifdef OPB_WITH_CUDA
     const auto guard = opb::device_guard(h);
     const int64_t ws_size = k::backward_workspace_size(s.rows, s.hidden, dt);
-    Tensor ws = torch::stable::new_empty(
+    Tensor ws = opb::new_tensor(
         h, {ws_size}, dt == opb::DType::Float64 ? opb::ScalarType::Double : opb::ScalarType::Float);
     opb::check_launch(k::launch_backward(gy.const_data_ptr(), ptr_or_null(gr), h.const_data_ptr(), w.const_data_ptr(),
                                          grad_h.mutable_data_ptr(), grad_h2_ptr, grad_w.mutable_data_ptr(),
@@ -188,6 +191,8 @@ OPB_LIBRARY(m) {
       "fused_add_rmsnorm_backward.two_grads(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, "
       "Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rmsnorm.nograd(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm.nograd(Tensor input, Tensor weight, float eps) -> Tensor");
 }
 
 OPB_LIBRARY_IMPL(CPU, m) {
@@ -195,6 +200,8 @@ OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("fused_add_rmsnorm_backward", TORCH_BOX(&backward_impl));
   m.impl("fused_add_rmsnorm_backward.two_grads", TORCH_BOX(&backward_two_grads_impl));
   m.impl("rms_norm", TORCH_BOX(&rms_norm_impl));
+  m.impl("fused_add_rmsnorm.nograd", TORCH_BOX(&fused_add_rmsnorm_impl));
+  m.impl("rms_norm.nograd", TORCH_BOX(&rms_norm_impl));
 }
 
 #ifdef OPB_WITH_CUDA
@@ -203,5 +210,7 @@ OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("fused_add_rmsnorm_backward", TORCH_BOX(&backward_impl));
   m.impl("fused_add_rmsnorm_backward.two_grads", TORCH_BOX(&backward_two_grads_impl));
   m.impl("rms_norm", TORCH_BOX(&rms_norm_impl));
+  m.impl("fused_add_rmsnorm.nograd", TORCH_BOX(&fused_add_rmsnorm_impl));
+  m.impl("rms_norm.nograd", TORCH_BOX(&rms_norm_impl));
 }
 #endif

@@ -2,11 +2,15 @@
 //
 // out = relu(lhs @ rhs + bias). lhs: [M, K] or [B, M, K]; rhs: [K, N] or [B, K, N] (a batch of 1, or
 // a 2-D operand, broadcasts); bias: broadcastable to out ([N] is the common case), or None.
+// fused_matmul_add_relu.nograd: the same with no autograd formula, what a call that records no gradient
+// takes (ops/fused_matmul_add_relu.py registers none for it).
 #include <opbuilder/stable.h>
 
 #include <array>
 #include <optional>
 #include <vector>
+
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>
 
 #include "fused_matmul_add_relu_cpu.h"
 #ifdef OPB_WITH_CUDA
@@ -91,9 +95,17 @@ BiasView bias_view(const std::optional<Tensor>& bias, const Shape& s) {
 Tensor forward_cpu(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   const Shape s = check_inputs(lhs, rhs, bias);
   const opb::DType dtype = opb::dtype_of(lhs, kOp, "lhs");
-  // One GEMM by ATen through the dispatcher (it handles broadcast batches and transposed views without
-  // copies where BLAS can), then one fused pass for the bias and the ReLU.
-  Tensor out = torch::stable::contiguous(torch::stable::matmul(lhs, rhs));
+  // One GEMM by ATen (it reads transposed views without copies where BLAS can), then one fused pass for
+  // the bias and the ReLU. The linear layer's 2-D product goes straight to ATen's CPU mm into our output
+  // (the C shim's mm_out: no operator looked up by name, no boxed call; 0.5 us a call at 4x4); batches,
+  // and their broadcasts, through matmul by the dispatcher.
+  Tensor out;
+  if (lhs.dim() == 2 && rhs.dim() == 2) {
+    out = opb::new_tensor(lhs, s.out, lhs.scalar_type());
+    TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_mm_out(out.get(), lhs.get(), rhs.get()));
+  } else {
+    out = opb::contiguous(torch::stable::matmul(lhs, rhs));
+  }
   STD_TORCH_CHECK(out.sizes().equals(s.out), kOp, ": internal error: matmul gave shape ",
                   opb::shape_str(out.sizes()), ", expected ", opb::shape_str(s.out));
   if (out.numel() == 0) return out;
@@ -130,7 +142,7 @@ bool matrix_view(const Tensor& t, Matrix* mat) {
 
 Tensor as_matrix(const Tensor& t, Matrix* mat) {
   if (matrix_view(t, mat)) return t;
-  Tensor c = torch::stable::contiguous(t);
+  Tensor c = opb::contiguous(t);
   matrix_view(c, mat);
   return c;
 }
@@ -161,7 +173,7 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   const Shape s = check_inputs(lhs, rhs, bias);
   const opb::DType dtype = opb::dtype_of(lhs, kOp, "lhs");
   const auto guard = opb::device_guard(lhs);
-  Tensor out = torch::stable::new_empty(lhs, s.out);
+  Tensor out = opb::new_tensor(lhs, s.out, lhs.scalar_type());
   if (out.numel() == 0) return out;
   if (s.k == 0) {  // the product is all zeros: relu(bias)
     if (bias.has_value()) {
@@ -192,15 +204,15 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
       // One value per output column ([N], [1, N], scalar): cuBLASLt's bias epilogue.
       const Tensor row = torch::stable::reshape(b, {bn});
       if (bn == s.n) {
-        bias_m = torch::stable::contiguous(row);
+        bias_m = opb::contiguous(row);
       } else {  // one value for every column: broadcast by copy_
-        bias_m = torch::stable::new_empty(b, {s.n});
+        bias_m = opb::new_tensor(b, {s.n}, b.scalar_type());
         torch::stable::copy_(bias_m, row);
       }
       p.bias_vector = bias_m.const_data_ptr();
     } else if (bm == s.m && bn == s.n && bb == s.batch) {
       // The output's full shape: C = bias with beta = 1, so D = relu(A B + C) in the same pass.
-      bias_m = torch::stable::contiguous(b);
+      bias_m = opb::contiguous(b);
       p.c = bias_m.const_data_ptr();
       p.c_batch_stride = s.batch > 1 ? s.m * s.n : 0;
     } else {
@@ -221,7 +233,7 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   }
 
   // From torch's caching allocator, stream-ordered: cheap per call, and CUDA graphs can capture it.
-  Tensor workspace = torch::stable::new_empty(lhs, {kWorkspaceBytes}, opb::ScalarType::Byte);
+  Tensor workspace = opb::new_tensor(lhs, {kWorkspaceBytes}, opb::ScalarType::Byte);
   const auto result = opb::fused_matmul_add_relu::launch(p, workspace.mutable_data_ptr(),
                                                          static_cast<size_t>(kWorkspaceBytes), opb::stream_of(lhs));
   if (result.status == Status::NotSupported) return forward_composed(lhs, rhs, bias);
@@ -232,10 +244,19 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
 
 }  // namespace
 
-OPB_LIBRARY(m) { m.def("fused_matmul_add_relu(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor"); }
+OPB_LIBRARY(m) {
+  m.def("fused_matmul_add_relu(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
+  m.def("fused_matmul_add_relu.nograd(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
+}
 
-OPB_LIBRARY_IMPL(CPU, m) { m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cpu)); }
+OPB_LIBRARY_IMPL(CPU, m) {
+  m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cpu));
+  m.impl("fused_matmul_add_relu.nograd", TORCH_BOX(&forward_cpu));
+}
 
 #ifdef OPB_WITH_CUDA
-OPB_LIBRARY_IMPL(CUDA, m) { m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cuda)); }
+OPB_LIBRARY_IMPL(CUDA, m) {
+  m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cuda));
+  m.impl("fused_matmul_add_relu.nograd", TORCH_BOX(&forward_cuda));
+}
 #endif

@@ -1,7 +1,11 @@
 // relu as Torch ops on the LibTorch stable ABI: schemas, input checks, CPU and CUDA implementations.
 //
 //   relu(x) -> y
+//   relu.nograd(x) -> y                        relu with no autograd formula: what a call that records no
+//                                              gradient takes (ops/relu.py registers none for it)
 //   relu_mask(x) -> (y, mask)                  y as relu; mask: the sign bits the backward needs (relu_mask.h)
+//   relu_mask.nograd(x) -> (y, mask)           relu_mask with no autograd formula: what the forward of a call
+//                                              that needs a gradient runs inside its autograd.Function
 //   relu_mask_backward(grad_y, mask) -> grad_x grad_y where the bit is 1, else 0
 #include <opbuilder/stable.h>
 
@@ -26,11 +30,11 @@ constexpr const char* kBwd = "relu_mask_backward";
 
 Tensor prepare(const char* op, const Tensor& x) {
   opb::dtype_of(x, op, "x");
-  return torch::stable::contiguous(x);
+  return opb::contiguous(x);
 }
 
 Tensor new_mask(const Tensor& x) {
-  return torch::stable::new_empty(x, {relu::mask_words(x.numel(), x.element_size())}, ScalarType::Int);
+  return opb::new_tensor(x, {relu::mask_words(x.numel(), x.element_size())}, ScalarType::Int);
 }
 
 struct BwdInputs {
@@ -47,10 +51,10 @@ BwdInputs prepare_backward(const Tensor& grad_y, const Tensor& mask) {
   const int64_t words = relu::mask_words(grad_y.numel(), grad_y.element_size());
   STD_TORCH_CHECK(mask.dim() == 1 && mask.size(0) == words, kBwd, ": mask must have shape [", words, "] for ",
                   grad_y.numel(), " ", grad_y.scalar_type(), " elements, got ", opb::shape_str(mask.sizes()));
-  Tensor m = torch::stable::contiguous(mask);
+  Tensor m = opb::contiguous(mask);
   // The GPU reads a tile's words with 16-byte loads.
   if (reinterpret_cast<uintptr_t>(m.const_data_ptr()) % 16 != 0) m = torch::stable::clone(m);
-  return {torch::stable::contiguous(grad_y), m};
+  return {opb::contiguous(grad_y), m};
 }
 
 Tensor relu_cpu(Tensor x) {
@@ -115,20 +119,26 @@ Tensor relu_mask_backward_cuda(Tensor grad_y, Tensor mask) {
 
 OPB_LIBRARY(m) {
   m.def("relu(Tensor x) -> Tensor");
+  m.def("relu.nograd(Tensor x) -> Tensor");
   m.def("relu_mask(Tensor x) -> (Tensor, Tensor)");
+  m.def("relu_mask.nograd(Tensor x) -> (Tensor, Tensor)");
   m.def("relu_mask_backward(Tensor grad_y, Tensor mask) -> Tensor");
 }
 
 OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("relu", TORCH_BOX(&relu_cpu));
+  m.impl("relu.nograd", TORCH_BOX(&relu_cpu));
   m.impl("relu_mask", TORCH_BOX(&relu_mask_cpu));
+  m.impl("relu_mask.nograd", TORCH_BOX(&relu_mask_cpu));
   m.impl("relu_mask_backward", TORCH_BOX(&relu_mask_backward_cpu));
 }
 
 #ifdef OPB_WITH_CUDA
 OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("relu", TORCH_BOX(&relu_cuda));
+  m.impl("relu.nograd", TORCH_BOX(&relu_cuda));
   m.impl("relu_mask", TORCH_BOX(&relu_mask_cuda));
+  m.impl("relu_mask.nograd", TORCH_BOX(&relu_mask_cuda));
   m.impl("relu_mask_backward", TORCH_BOX(&relu_mask_backward_cuda));
 }
 #endif

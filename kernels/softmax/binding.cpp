@@ -1,6 +1,8 @@
 // softmax as Torch ops on the LibTorch stable ABI: schemas, input checks, CPU and CUDA implementations.
 //
 //   forward(x) -> y                     softmax over x's last dim
+//   forward.nograd(x) -> y              the same with no autograd formula: what a call that records no
+//                                       gradient takes (ops/softmax.py registers none for it)
 //   backward(y, grad_y) -> grad_x       grad_x = y * (grad_y - sum(grad_y * y, -1))
 // CUDA only, for tests and tuning (a plan is [path, threads, vpt, cluster]; softmax.cuh explains it):
 //   default_plan(x, backward) -> int[]  the plan forward/backward would use for a tensor like x
@@ -40,7 +42,7 @@ Rows rows_of(const Tensor& t, const char* op, const char* arg) {
 Tensor prepare_forward(const Tensor& x) {
   opb::dtype_of(x, kForward, "x");
   rows_of(x, kForward, "x");
-  return torch::stable::contiguous(x);
+  return opb::contiguous(x);
 }
 
 std::pair<Tensor, Tensor> prepare_backward(const Tensor& y, const Tensor& grad_y) {
@@ -52,7 +54,7 @@ std::pair<Tensor, Tensor> prepare_backward(const Tensor& y, const Tensor& grad_y
                   ", got ", opb::device_str(grad_y));
   STD_TORCH_CHECK(opb::same_shape(grad_y, y), kBackward, ": grad_y must have y's shape ", opb::shape_str(y.sizes()),
                   ", got ", opb::shape_str(grad_y.sizes()));
-  return {torch::stable::contiguous(y), torch::stable::contiguous(grad_y)};
+  return {opb::contiguous(y), opb::contiguous(grad_y)};
 }
 
 Tensor forward_cpu(Tensor x) {
@@ -105,7 +107,7 @@ opb::softmax::Plan plan_from(const std::vector<int64_t>& plan, const char* op) {
 
 Tensor workspace_for(const Tensor& like, const opb::softmax::Plan& plan, const opb::softmax::Problem& p) {
   const size_t bytes = opb::softmax::workspace_bytes(plan, p);
-  return torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, opb::ScalarType::Byte);
+  return opb::new_tensor(like, {static_cast<int64_t>(bytes)}, opb::ScalarType::Byte);
 }
 
 Tensor forward_cuda_plan(const Tensor& x, const std::optional<opb::softmax::Plan>& chosen) {
@@ -171,6 +173,7 @@ std::vector<int64_t> default_plan(Tensor x, bool backward) {
 
 OPB_LIBRARY(m) {
   m.def("forward(Tensor x) -> Tensor");
+  m.def("forward.nograd(Tensor x) -> Tensor");
   m.def("backward(Tensor y, Tensor grad_y) -> Tensor");
   m.def("default_plan(Tensor x, bool backward) -> int[]");
   m.def("forward_with_plan(Tensor x, int[] plan) -> Tensor");
@@ -179,12 +182,14 @@ OPB_LIBRARY(m) {
 
 OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("forward", TORCH_BOX(&forward_cpu));
+  m.impl("forward.nograd", TORCH_BOX(&forward_cpu));
   m.impl("backward", TORCH_BOX(&backward_cpu));
 }
 
 #ifdef OPB_WITH_CUDA
 OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("forward", TORCH_BOX(&forward_cuda));
+  m.impl("forward.nograd", TORCH_BOX(&forward_cuda));
   m.impl("backward", TORCH_BOX(&backward_cuda));
   m.impl("default_plan", TORCH_BOX(&default_plan));
   m.impl("forward_with_plan", TORCH_BOX(&forward_with_plan));

@@ -12,7 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -93,13 +95,40 @@ inline void advise_huge_pages(void* data, size_t bytes) {
 #endif
 }
 
-// A fresh tensor of `sizes` and `dtype` on like's device; on the CPU with the huge-page hint, which
-// every large output written once wants.
+// A fresh contiguous tensor of `sizes` and `dtype` on like's device; on the CPU with the huge-page hint,
+// which every large output written once wants. Made by the C shim's empty_strided, one ATen call:
+// torch::stable::new_empty goes through torch_call_dispatcher, which looks the operator up by name and
+// calls it boxed (0.7 us more a call on the 2-core CPU machine, the most of a 16-element op's time).
 inline Tensor new_tensor(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes, ScalarType dtype) {
-  Tensor t = torch::stable::new_empty(like, sizes, dtype);
-  if (t.is_cpu()) advise_huge_pages(t.mutable_data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  int64_t inline_strides[8];
+  std::vector<int64_t> more_strides;
+  int64_t* strides = inline_strides;
+  if (ndim > 8) {
+    more_strides.resize(ndim);
+    strides = more_strides.data();
+  }
+  int64_t stride = 1;  // torch's contiguous strides: a dim of size 0 or 1 counts as 1
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    strides[d] = stride;
+    stride *= sizes[d] > 1 ? sizes[d] : 1;
+  }
+  int32_t device_type = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  const int32_t code = torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype));
+  AtenTensorHandle handle = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(ndim, sizes.data(), strides, code, device_type,
+                                                  like.get_device_index(), &handle));
+  Tensor t(handle);
+  if (device_type == aoti_torch_device_type_cpu()) {
+    advise_huge_pages(t.mutable_data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  }
   return t;
 }
+
+// `t` itself when it is contiguous (the usual case, read without a dispatcher call), else a contiguous
+// copy: what torch::stable::contiguous returns, which always goes through torch_call_dispatcher.
+inline Tensor contiguous(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
 
 // An op's output: contiguous, shaped and typed like `like`, on its device.
 inline Tensor new_output(const Tensor& like) { return new_tensor(like, like.sizes(), like.scalar_type()); }
@@ -117,9 +146,13 @@ inline void check_launch(cudaError_t err, const char* op) {
 }
 
 // Makes `t`'s device current while the returned guard lives (torch's allocator and our launches both
-// follow it): `const auto guard = opb::device_guard(x);`.
-inline torch::stable::accelerator::DeviceGuard device_guard(const Tensor& t) {
-  return torch::stable::accelerator::DeviceGuard(t.get_device_index());
+// follow it): `const auto guard = opb::device_guard(x);`. Where it is current already (the usual case),
+// no guard is made: a stable DeviceGuard is a heap object made and freed through the C shim each call.
+inline std::optional<torch::stable::accelerator::DeviceGuard> device_guard(const Tensor& t) {
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  const torch::stable::accelerator::DeviceIndex index = t.get_device_index();
+  if (torch::stable::accelerator::getCurrentDeviceIndex() != index) guard.emplace(index);
+  return guard;
 }
 #endif
 
