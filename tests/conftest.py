@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under xdist, each worker's torch.compile would start its own pool of one compiler process per core: with
+# 16 workers, hundreds of processes on 16 cores, and CPU tests waited minutes for Inductor's compiles (GPU
+# run, faulthandler at 150 s). One compile thread per worker: the workers are the parallelism.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402  (after the variable above: Inductor reads it at import)
 
 ROOT = Path(__file__).resolve().parent.parent
 
