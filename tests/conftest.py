@@ -13,8 +13,12 @@ import pytest
 # Under xdist, each worker's torch.compile would start its own pool of one compiler process per core: with
 # 16 workers, hundreds of processes on 16 cores, and CPU tests waited minutes for Inductor's compiles (GPU
 # run, faulthandler at 150 s). One compile thread per worker: the workers are the parallelism.
+# Also, Inductor (torch 2.11) checks each CPU vector ISA by loading a test library in a Python subprocess
+# with no time limit; under 16 workers those probes hung for minutes on the GPU machine (torch 2.13 bounds
+# them). The ISAs /proc/cpuinfo lists are taken as they are instead.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import torch  # noqa: E402  (after the variable above: Inductor reads it at import)
 
