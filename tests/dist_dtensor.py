@@ -27,19 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import opbuilder.ops as ops
 from opbuilder.ops.fused_add_rmsnorm import fused_add_rmsnorm_backward_op
 from opbuilder.ops.fused_relu_layernorm import fused_relu_layernorm_backward_op, fused_relu_layernorm_op
 from opbuilder.ops.relu import relu_mask_backward_op, relu_mask_op
 from opbuilder.ops.softmax import backward_op as softmax_backward_op
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import parallel_models  # noqa: E402  (benchmarks/ is no package)
+from parallel_models import FFNModel, Model, sequence_parallel  # noqa: E402
 
 DTYPE = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -209,99 +207,15 @@ def mesh2d_checks(checks: Checks, mesh) -> None:
                                                   [[S(0), R], [R, S(1)], [R, S(0)]]))
 
 
-# ---- models ---------------------------------------------------------------------------------------------
-
-
-class AddRMSNorm(nn.Module):
-    """PyTorch's twin of FusedAddRMSNorm: ``(rms_norm(x + residual), x + residual)``."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x, residual):
-        h = x + residual
-        return F.rms_norm(h, (h.shape[-1],), self.weight, 1e-6), h
-
-
-class Block(nn.Module):
-    """norm -> mix (linear, softmax over features, linear) -> fused residual-add norm -> ReLU MLP."""
-
-    def __init__(self, dim: int, hidden: int, fused: bool) -> None:
-        super().__init__()
-        self.norm1 = ops.RMSNorm(dim) if fused else nn.RMSNorm(dim, eps=1e-6)
-        self.mix_in, self.mix_out = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.softmax = ops.Softmax(-1) if fused else nn.Softmax(-1)
-        self.norm2 = ops.FusedAddRMSNorm(dim) if fused else AddRMSNorm(dim)
-        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = ops.ReLU() if fused else nn.ReLU()
-
-    def forward(self, x):
-        a = self.mix_out(self.softmax(self.mix_in(self.norm1(x))))
-        normed, x = self.norm2(a, x)
-        return x + self.down(self.act(self.up(normed)))
-
-
-class Model(nn.Module):
-    def __init__(self, dim: int, hidden: int, fused: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(dim, hidden, fused) for _ in range(2)])
-        self.head_norm = ops.FusedReLULayerNorm(dim) if fused else nn.LayerNorm(dim)
-        self.fused = fused
-        self.head = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.head_norm(x if self.fused else torch.relu(x)))
-
-
-class FFNModel(nn.Module):
-    """For FSDP2: every opbuilder layer, FusedLinearReLU included (its parameters are plain tensors in the
-    forward under FSDP2, so any layer works there)."""
-
-    def __init__(self, dim: int, hidden: int, fused: bool) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(dim, hidden, fused) for _ in range(2)])
-        self.up = ops.FusedLinearReLU(dim, hidden) if fused else nn.Sequential(nn.Linear(dim, hidden), nn.ReLU())
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.down(self.up(x))
+# ---- models (benchmarks/parallel_models.py) ----------------------------------------------------------------
 
 
 def twins(cls, dim: int, hidden: int):
-    torch.manual_seed(0)
-    fused = cls(dim, hidden, True).to(DTYPE)
-    plain = cls(dim, hidden, False).to(DTYPE)
-    # FFNModel's top-level FusedLinearReLU is nn.Sequential(Linear, ReLU) in the twin.
-    plain.load_state_dict({"up.0." + k[3:] if k.startswith("up.") else k: v for k, v in fused.state_dict().items()})
+    """(opbuilder model, PyTorch model, PyTorch model to run on this process alone), the same weights."""
+    fused, plain = parallel_models.twins(cls, dim, hidden, DTYPE)
     reference = cls(dim, hidden, False).to(DTYPE)
     reference.load_state_dict(plain.state_dict())
     return fused, plain, reference
-
-
-def sequence_parallel(model: Model, mesh) -> Model:
-    """The standard plan: norms on sequence-sharded activations, linears column- then row-wise."""
-    S1 = Shard(1)
-    for block in model.blocks:
-        parallelize_module(block, mesh, {
-            "norm1": SequenceParallel(),
-            "mix_in": ColwiseParallel(input_layouts=S1, use_local_output=False),  # softmax sees a DTensor
-            "mix_out": RowwiseParallel(output_layouts=S1, use_local_output=False),
-            "up": ColwiseParallel(input_layouts=S1, use_local_output=False),  # so does the ReLU
-            "down": RowwiseParallel(output_layouts=S1, use_local_output=False),
-        })
-        # FusedAddRMSNorm takes two sequence-sharded DTensors already (SequenceParallel would keep only the
-        # first input): only its weight needs replicating.
-        distribute_module(block.norm2, mesh)
-    parallelize_module(model, mesh, {
-        "head_norm": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=S1, output_layouts=Replicate()),
-    })
-    return model
 
 
 def grads_match(fused: nn.Module, plain: nn.Module, reference: nn.Module, scale: float = 1.0) -> None:
