@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,14 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
     )
+
+
+def default_sigint() -> None:
+    """A child's ``preexec_fn``: SIGINT back to its default action. A test run started in the background by a
+    non-interactive shell (``cmd &`` in a script) ignores SIGINT, its children inherit that, and a Python
+    that starts ignoring SIGINT never raises KeyboardInterrupt: a test that presses Ctrl-C on a child needs
+    the child to hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_cache, run_python
+from conftest import ROOT, copy_cache, default_sigint, run_python
 from test_cache import _build_processes, _builds, _load, _manifest, _wait_for
 from userop import load_snippet, user_op_key, write_user_op
 
@@ -24,7 +24,7 @@ NOBODY = 65534
 
 def _start(op: Path, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, **popen)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=default_sigint, **popen)
 
 
 def _lock_is_free(lock_path: Path) -> bool:
