@@ -4,6 +4,8 @@ helpers to run Python in a fresh process."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,12 +44,42 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     )
 
 
+def default_sigint() -> None:
+    """A child's ``preexec_fn``: SIGINT back to its default action. A test run started in the background by a
+    non-interactive shell (``cmd &`` in a script) ignores SIGINT, its children inherit that, and a Python
+    that starts ignoring SIGINT never raises KeyboardInterrupt: a test that presses Ctrl-C on a child needs
+    the child to hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty cache root for tests that build from scratch."""
     root = tmp_path / "cache"
     monkeypatch.setenv("OPB_CACHE_DIR", str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def built_user_op(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the user op of tests/userop.py, a cache holding its one build), built once a run (once a worker under
+    xdist). A test that needs a warm cache to start from copies it (``copy_cache``) instead of building."""
+    from userop import load_snippet, write_user_op
+
+    base = tmp_path_factory.mktemp("built-user-op")
+    op = write_user_op(base / "proj")
+    cache = base / "cache"
+    result = run_python(load_snippet(op), env={"OPB_CACHE_DIR": str(cache)})
+    assert result.returncode == 0 and "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout, result.stderr[-3000:]
+    assert result.stderr.count("opbuilder: building ") == 1, result.stderr[-3000:]
+    return op, cache
+
+
+def copy_cache(cache: Path, dest: Path) -> Path:
+    """A copy of the cache ``cache`` at ``dest`` (modes and modification times kept, so the manifests still
+    match: the copy is a warm cache); returns ``dest``."""
+    shutil.copytree(cache, dest, symlinks=True)
+    return dest
 
 
 

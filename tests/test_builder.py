@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import copy_cache, run_python
 from opbuilder import OpBuilder, UnknownOpError, env, get_builder
 from opbuilder.registry import names
 from userop import load_snippet, write_user_op
@@ -130,7 +130,9 @@ def test_lock_timeout_names_the_lock_file(tmp_path: Path, fresh_cache: Path) -> 
         sys.modules.pop("my_ops", None)
 
 
-def test_two_versions_of_one_op_load_in_one_process(tmp_path: Path, fresh_cache: Path) -> None:
+def test_two_versions_of_one_op_load_in_one_process(built_user_op: tuple[Path, Path], tmp_path: Path,
+                                                    fresh_cache: Path) -> None:
+    copy_cache(built_user_op[1], fresh_cache)  # v1 is the built op: only v2 builds
     one = write_user_op(tmp_path / "v1", offset=1.0)
     two = write_user_op(tmp_path / "v2", offset=5.0)
     code = textwrap.dedent(f"""

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, run_python
+from conftest import ROOT, copy_cache, run_python
 from userop import load_snippet, write_user_op
 
 
@@ -47,9 +47,9 @@ def test_warm_load_does_not_rebuild(tmp_path: Path, fresh_cache: Path) -> None:
     assert (build_dir / manifest["artifact"]).stat().st_mtime_ns == so_mtime
 
 
-def test_warm_load_uses_no_compiler_no_lock(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_warm_load_uses_no_compiler_no_lock(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     probe = load_snippet(op) + (
         "\nimport sys\n"
         "assert 'torch.utils.cpp_extension' not in sys.modules, 'warm load imported cpp_extension'\n"
@@ -86,9 +86,10 @@ def test_key_follows_sources_headers_and_flags(tmp_path: Path) -> None:
         sys.modules.pop("my_ops", None)
 
 
-def test_header_edit_rebuilds_and_revert_reuses(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj", scale=2.0)
-    assert _builds(_load(op)) == 1
+def test_header_edit_rebuilds_and_revert_reuses(built_user_op: tuple[Path, Path], tmp_path: Path,
+                                                 fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj", scale=2.0)  # the built op's files: its build is in the copied cache
+    copy_cache(built_user_op[1], fresh_cache)
     write_user_op(op, scale=3.0)
     edited = _load(op)
     assert _builds(edited) == 1 and "RESULT [1.0, 4.0, 7.0, 10.0, 13.0]" in edited.stdout
@@ -157,9 +158,9 @@ def test_killed_build_leaves_no_poison(tmp_path: Path, fresh_cache: Path) -> Non
     assert not list(op_dir.glob(".tmp-*")), "the stray temporary folder must be removed"
 
 
-def test_truncated_artifact_is_rebuilt(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_truncated_artifact_is_rebuilt(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     build_dir, manifest = _manifest(fresh_cache)
     artifact = build_dir / manifest["artifact"]
     artifact.write_bytes(artifact.read_bytes()[:1000])
@@ -169,9 +170,9 @@ def test_truncated_artifact_is_rebuilt(tmp_path: Path, fresh_cache: Path) -> Non
     assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout
 
 
-def test_garbage_artifact_of_the_same_size_is_rebuilt(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_garbage_artifact_of_the_same_size_is_rebuilt(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     build_dir, manifest = _manifest(fresh_cache)
     artifact = build_dir / manifest["artifact"]
     artifact.write_bytes(b"\0" * manifest["artifact_size"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import twofile
-from conftest import run_python
+from conftest import default_sigint, run_python
 from opbuilder import cache, compile as ninja_build, toolchain
 from opbuilder.errors import BuildError
 
@@ -323,7 +323,7 @@ def test_interrupting_opbuilder_build_stops_its_compilers_and_publishes_nothing(
     slow.chmod(0o755)
     env = {**os.environ, "CXX": str(slow), "OPB_CACHE_DIR": str(fresh_cache)}
     proc = subprocess.Popen([sys.executable, "-m", "opbuilder", "build", "relu", "softmax"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.time() + 120
     while len(_processes_with(marker)) < 2 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, copy_cache, default_sigint, run_python
 from test_cache import _build_processes, _builds, _load, _manifest, _wait_for
 from userop import load_snippet, user_op_key, write_user_op
 
@@ -24,7 +24,7 @@ NOBODY = 65534
 
 def _start(op: Path, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, **popen)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=default_sigint, **popen)
 
 
 def _lock_is_free(lock_path: Path) -> bool:
@@ -81,9 +81,9 @@ def test_signal_ends_every_compiler(sig: signal.Signals, tmp_path: Path, fresh_c
 
 
 @pytest.mark.parametrize("damage", ["missing manifest", "garbled manifest", "manifest of another file"])
-def test_damaged_manifest_is_rebuilt(damage: str, tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_damaged_manifest_is_rebuilt(damage: str, built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     build_dir, manifest = _manifest(fresh_cache)
     if damage == "missing manifest":
         (build_dir / "manifest.json").unlink()
@@ -109,9 +109,9 @@ def test_stray_temporary_folder_is_ignored_and_removed(tmp_path: Path, fresh_cac
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
-def test_artifact_owned_by_another_user_is_refused(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_artifact_owned_by_another_user_is_refused(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     build_dir, manifest = _manifest(fresh_cache)
     os.chown(build_dir / manifest["artifact"], NOBODY, NOBODY)
     refused = _load(op)
@@ -121,9 +121,9 @@ def test_artifact_owned_by_another_user_is_refused(tmp_path: Path, fresh_cache: 
     assert trusted.returncode == 0 and OK in trusted.stdout, trusted.stderr
 
 
-def test_folder_writable_by_others_is_refused(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_folder_writable_by_others_is_refused(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     (fresh_cache / "add_scale").chmod(0o777)
     refused = _load(op)
     assert refused.returncode != 0
@@ -178,9 +178,9 @@ def test_full_disk_during_build_is_named_and_leaves_nothing(tmp_path: Path, fres
     assert leftovers == [], leftovers
 
 
-def test_torch_upgrade_reuses_a_stable_op(tmp_path: Path, fresh_cache: Path) -> None:
-    op = write_user_op(tmp_path / "proj")
-    assert _load(op).returncode == 0
+def test_torch_upgrade_reuses_a_stable_op(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
     upgraded = run_python("import torch\ntorch.__version__ = '99.0.0'\n" + load_snippet(op))
     assert upgraded.returncode == 0 and OK in upgraded.stdout, upgraded.stderr
     assert _builds(upgraded) == 0, "a stable-ABI build serves every torch of its ABI range"

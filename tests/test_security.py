@@ -2,8 +2,8 @@
 other than the one it checked, build against a runtime that depends on what else was imported), and
 the smaller ways the cache, the loader and the toolchain failed under odd but real conditions.
 
-The user op is built once for the module; each test works on its own copy of that cache (copied with
-its modification times, so the copy is a warm cache).
+The user op is built once for the run (conftest's built_user_op); each test works on its own copy of that
+cache (copied with its modification times, so the copy is a warm cache).
 """
 
 from __future__ import annotations
@@ -19,35 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, copy_cache, run_python
 from test_cache import _builds, _load, _manifest
 from userop import load_snippet, write_user_op
 
 OK = "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]"
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the user op's folder, a cache holding its build); tests copy the cache with ``_copy_cache``."""
-    base = tmp_path_factory.mktemp("built")
-    op = write_user_op(base / "proj")
-    cache = base / "cache"
-    result = _load(op, OPB_CACHE_DIR=str(cache))
-    assert result.returncode == 0 and OK in result.stdout, result.stderr
-    return op, cache
-
-
-def _copy_cache(cache: Path, dest: Path) -> Path:
-    shutil.copytree(cache, dest, symlinks=True)  # copy2: mtimes kept, so the manifest still matches
-    return dest
-
-
 # ---- 2. the whole chain is checked, and the checked file is the one loaded ------------------------
 
 
-def test_root_linking_to_a_folder_writable_by_others_is_refused(built: tuple[Path, Path], tmp_path: Path) -> None:
-    op, cache = built
-    target = _copy_cache(cache, tmp_path / "open")
+def test_root_linking_to_a_folder_writable_by_others_is_refused(built_user_op: tuple[Path, Path], tmp_path: Path) -> None:
+    op, cache = built_user_op
+    target = copy_cache(cache, tmp_path / "open")
     target.chmod(0o777)
     link = tmp_path / "cache-link"
     link.symlink_to(target)
@@ -57,12 +41,12 @@ def test_root_linking_to_a_folder_writable_by_others_is_refused(built: tuple[Pat
     assert f"refusing to use {target}:" in refused.stderr
 
 
-def test_folder_above_the_root_writable_by_group_is_refused(built: tuple[Path, Path], tmp_path: Path) -> None:
-    op, cache = built
+def test_folder_above_the_root_writable_by_group_is_refused(built_user_op: tuple[Path, Path], tmp_path: Path) -> None:
+    op, cache = built_user_op
     team = tmp_path / "team"
     team.mkdir()
     team.chmod(0o775)
-    root = _copy_cache(cache, team / "cache")
+    root = copy_cache(cache, team / "cache")
     refused = _load(op, OPB_CACHE_DIR=str(root))
     assert refused.returncode != 0, refused.stdout
     assert "writable by group" in refused.stderr and f"refusing to use {team}:" in refused.stderr, refused.stderr[-2000:]
@@ -72,9 +56,9 @@ def test_folder_above_the_root_writable_by_group_is_refused(built: tuple[Path, P
     assert _builds(accepted) == 0
 
 
-def test_symlinked_artifact_is_refused(built: tuple[Path, Path], tmp_path: Path) -> None:
-    op, cache = built
-    root = _copy_cache(cache, tmp_path / "cache")
+def test_symlinked_artifact_is_refused(built_user_op: tuple[Path, Path], tmp_path: Path) -> None:
+    op, cache = built_user_op
+    root = copy_cache(cache, tmp_path / "cache")
     build_dir, manifest = _manifest(root)
     artifact = build_dir / manifest["artifact"]
     elsewhere = tmp_path / "elsewhere"
@@ -107,9 +91,9 @@ print("INODES", inodes, moved.exists())
 """
 
 
-def test_folder_swapped_after_the_check_is_not_loaded(built: tuple[Path, Path], tmp_path: Path) -> None:
-    op, cache = built
-    root = _copy_cache(cache, tmp_path / "cache")
+def test_folder_swapped_after_the_check_is_not_loaded(built_user_op: tuple[Path, Path], tmp_path: Path) -> None:
+    op, cache = built_user_op
+    root = copy_cache(cache, tmp_path / "cache")
     build_dir, manifest = _manifest(root)
     planted = tmp_path / "planted"
     shutil.copytree(build_dir, planted)  # a copy: other inodes, the same checks pass on it
@@ -185,9 +169,9 @@ def _in_mount_namespace(setup: str, code: str, cwd: Path = ROOT, **env: str) -> 
 
 
 @pytest.mark.parametrize("damage", ["artifact is a folder", "sizes are strings", "namespace missing"])
-def test_manifest_with_wrong_types_is_rebuilt(damage: str, built: tuple[Path, Path], tmp_path: Path) -> None:
-    op, cache = built
-    root = _copy_cache(cache, tmp_path / "cache")
+def test_manifest_with_wrong_types_is_rebuilt(damage: str, built_user_op: tuple[Path, Path], tmp_path: Path) -> None:
+    op, cache = built_user_op
+    root = copy_cache(cache, tmp_path / "cache")
     build_dir, manifest = _manifest(root)
     if damage == "artifact is a folder":
         (build_dir / "sub").mkdir()
@@ -268,9 +252,9 @@ def test_full_disk_in_cache_writes_is_a_cache_error(tmp_path: Path) -> None:
 
 
 @needs_mounts
-def test_read_only_cache_is_named_read_only(built: tuple[Path, Path], tmp_path: Path) -> None:
-    op = shutil.copytree(built[0], tmp_path / "proj")
-    root = _copy_cache(built[1], tmp_path / "cache")
+def test_read_only_cache_is_named_read_only(built_user_op: tuple[Path, Path], tmp_path: Path) -> None:
+    op = shutil.copytree(built_user_op[0], tmp_path / "proj")
+    root = copy_cache(built_user_op[1], tmp_path / "cache")
     (op / "csrc" / "scale.h").write_text("#pragma once\nconstexpr float kScale = 3.0;\n")  # a new key: a build is needed
     quoted = shlex.quote(str(root))
     result = _in_mount_namespace(f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}",
