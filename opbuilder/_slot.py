@@ -26,7 +26,8 @@ def _take_slot(folder: str, count: int) -> int | None:
         usable = False
         for i in range(count):
             try:
-                fd = os.open(os.path.join(folder, f"slot.{(start + i) % count}"), os.O_RDONLY | os.O_CREAT, 0o644)
+                fd = os.open(os.path.join(folder, f"slot.{(start + i) % count}"),
+                             os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError:
                 continue
             usable = True

@@ -1,7 +1,7 @@
 """Compiling one build with ninja: incremental, from a snapshot, with nothing slow around the compiler.
 
 Each op and set of compile settings (flags, compilers, torch ABI, archs: everything in the key but the
-files) has a work folder ``<root>/<op>/work-<id>/`` kept across keys and processes, so ninja recompiles
+files) has a work folder ``<root>/.work/<op>-<id>/`` kept across keys and processes, so ninja recompiles
 only the translation units whose inputs changed and an edit costs one compile and a link.
 
 The compiler never reads the user's files directly: they are copied first into ``src/`` of the work
