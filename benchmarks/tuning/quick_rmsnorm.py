@@ -13,8 +13,8 @@ where the forward+backward step's time goes, in one run.
 Timing: opbuilder's own CUDA timer (opbuilder/bench/timing.py), input sets rotated beyond 4x the L2 as the
 bench does, two rounds (the spread between them is the noise). Every config is checked against the op first.
 
-  python3 benchmarks/quick_rmsnorm.py --build   here: nvcc -> build/quick_rms/libquick_rms.so
-  OUT=dir python3 benchmarks/quick_rmsnorm.py   GPU machine (carry build/quick_rms; rebuilt if it does not load)
+  python3 benchmarks/tuning/quick_rmsnorm.py --build   here: nvcc -> build/quick_rms/libquick_rms.so
+  OUT=dir python3 benchmarks/tuning/quick_rmsnorm.py   GPU machine (carry build/quick_rms; rebuilt if it does not load)
 Writes $OUT/quick_rmsnorm.json and prints a table per case.
 """
 
@@ -36,7 +36,7 @@ import torch
 from tuning import NVCC_FLAGS, timing
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIB_DIR = ROOT / "build" / "quick_rms"
 LIB_PATH = LIB_DIR / "libquick_rms.so"
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -46,7 +46,7 @@ BF16 = torch.bfloat16
 FWD = ["nv1 x512, tpr at run time", "nv1 x512 (launcher)", "nv2 x256", "nv4 x128"]  # forward_rows_kernel (q_fwd)
 BWD = ["nv2 x256 (launcher)", "nv1 x512"]  # backward_rows_kernel configs (index into q_bwd)
 
-QUICK_CU = r"""// Entry points for benchmarks/quick_rmsnorm.py (not part of the op): the working tree's kernel templates
+QUICK_CU = r"""// Entry points for benchmarks/tuning/quick_rmsnorm.py (not part of the op): the working tree's kernel templates
 // at explicit configs for bf16 hidden 4096, and two floors. No torch; called through ctypes.
 #include <cuda_runtime.h>
 #include <cstdint>

@@ -12,8 +12,8 @@ purpose, then timed with opbuilder's CUDA timer (opbuilder/bench/timing.py) on i
 4x the L2, in two rounds (their spread is the noise), beside a device-to-device copy. Event times come in
 steps of about 0.6 us, so for the short cases the mean column says more than the median.
 
-  python3 benchmarks/quick_layernorm.py --prepare    here, with git and nvcc: writes and builds build/qln/
-  OUT=dir python3 benchmarks/quick_layernorm.py      on the GPU machine (carry build/qln)
+  python3 benchmarks/tuning/quick_layernorm.py --prepare    here, with git and nvcc: writes and builds build/qln/
+  OUT=dir python3 benchmarks/tuning/quick_layernorm.py      on the GPU machine (carry build/qln)
 Writes $OUT/quick_layernorm.json and prints a table per case.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tuning import NVCC_FLAGS, timing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QLN = ROOT / "build" / "qln"
 LIB_PATH = QLN / "libqln.so"
 SRC = "kernels/fused_relu_layernorm/"
@@ -406,7 +406,7 @@ def triton_configs() -> list[str]:
     return out
 
 
-QUICK_CU = r'''// Entry points for benchmarks/quick_layernorm.py (written by its --prepare; not part of the op).
+QUICK_CU = r'''// Entry points for benchmarks/tuning/quick_layernorm.py (written by its --prepare; not part of the op).
 // orig/: git HEAD's launcher and kernels, namespace opb::orig_frln. The working tree's kernels and
 // launcher under their own namespace; the patched copies of the kernel under theirs.
 #include <cuda_runtime.h>

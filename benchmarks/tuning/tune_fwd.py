@@ -12,8 +12,8 @@ time, CUDA events around one call, warm-up, median), on input sets rotated beyon
 benchmarks/NOTES.md has the results of each run.
 
 Run (repository root):
-  python3 benchmarks/tune_fwd.py --prepare     here, with git and nvcc: writes and builds build/tune/
-  OUT=folder python3 benchmarks/tune_fwd.py    on the GPU machine (carry build/tune); rebuilds there with nvcc
+  python3 benchmarks/tuning/tune_fwd.py --prepare     here, with git and nvcc: writes and builds build/tune/
+  OUT=folder python3 benchmarks/tuning/tune_fwd.py    on the GPU machine (carry build/tune); rebuilds there with nvcc
                                                if the carried libtune.so does not load
 Writes $OUT/tune_fwd.json and prints a table per case; the last lines are the summary.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from tuning import NVCC_FLAGS, timing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TUNE_DIR = ROOT / "build" / "tune"
 LIB_PATH = TUNE_DIR / "libtune.so"
 # The committed launchers and kernels that "orig (HEAD)" runs: (file under kernels/, namespace renamed to).
@@ -555,7 +555,7 @@ def main() -> None:
     save()
 
 
-TUNE_CU = r'''// Tuning-only entry points for benchmarks/tune_fwd.py (not part of the op; not committed).
+TUNE_CU = r'''// Tuning-only entry points for benchmarks/tuning/tune_fwd.py (not part of the op; not committed).
 // "orig" = the committed launchers and kernels (git HEAD), copied verbatim into build/tune/orig/ with only
 // their namespace renamed; "variant" = the working tree's kernel templates, launched with explicit configs.
 // Built as a plain shared library (no torch headers) and called through ctypes with raw pointers.

@@ -6,7 +6,7 @@ timer (opbuilder/bench/timing.py), beside torch.softmax and a device-to-device c
 copy of the case's own bytes: what moving them takes at that size).
 Every plan's output is checked against torch.softmax first. benchmarks/NOTES.md records the runs.
 
-    python3 benchmarks/tune_softmax.py [--json FILE]        (GPU machine)
+    python3 benchmarks/tuning/tune_softmax.py [--json FILE]        (GPU machine)
 """
 
 from __future__ import annotations
