@@ -44,26 +44,17 @@ def _register(ns: str) -> None:
     # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
     # the other device's kernel and its checks, so they check the devices (the functions' usual path leaves
     # the checks to the op).
+    # The .nograd overloads are the forwards without an autograd formula, for calls that record no gradient
+    # (opbuilder.eager): the same fakes.
+    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
     @torch.library.register_fake(f"{ns}::fused_add_rmsnorm")
     def _(input, residual, weight, eps):
         if residual.device != input.device or weight.device != input.device:
             _check_fused(input, residual, weight, eps)
         return input.new_empty(input.shape), input.new_empty(input.shape)
 
-    @torch.library.register_fake(f"{ns}::rms_norm")
-    def _(input, weight, eps):
-        if weight.device != input.device:
-            _check_rms(input, weight, eps)
-        return input.new_empty(input.shape)
-
-    # The forwards without an autograd formula, for calls that record no gradient (opbuilder.eager).
-    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
-    def _(input, residual, weight, eps):
-        if residual.device != input.device or weight.device != input.device:
-            _check_fused(input, residual, weight, eps)
-        return input.new_empty(input.shape), input.new_empty(input.shape)
-
     @torch.library.register_fake(f"{ns}::rms_norm.nograd")
+    @torch.library.register_fake(f"{ns}::rms_norm")
     def _(input, weight, eps):
         if weight.device != input.device:
             _check_rms(input, weight, eps)

@@ -66,13 +66,9 @@ def _register(ns: str) -> None:
     # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
     # the other device's kernel and its checks, so they check the devices (the function's usual path
     # leaves the checks to the op).
-    @torch.library.register_fake(f"{ns}::{_OP}")
-    def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _check_devices(lhs, rhs, bias)
-        return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
-
-    # The forward without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    # .nograd: the forward without an autograd formula, for calls that record no gradient (opbuilder.eager).
     @torch.library.register_fake(f"{ns}::{_OP}.nograd")
+    @torch.library.register_fake(f"{ns}::{_OP}")
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _check_devices(lhs, rhs, bias)
         return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))

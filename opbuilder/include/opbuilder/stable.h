@@ -16,16 +16,13 @@
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 // Including this header makes the file a stable-ABI binding: <opbuilder/library.h> registers through
 // STABLE_TORCH_LIBRARY even where the builder's -DOPB_STABLE_ABI is missing (a hand-made compile).
 #ifndef OPB_STABLE_ABI
 #define OPB_STABLE_ABI
 #endif
 #include <opbuilder/dtype.h>
+#include <opbuilder/huge_pages.h>
 #include <opbuilder/library.h>
 
 #ifdef OPB_WITH_CUDA
@@ -79,21 +76,6 @@ inline bool same_device(const Tensor& a, const Tensor& b) { return a.device() ==
 
 inline bool same_shape(const Tensor& a, const Tensor& b) { return a.sizes().equals(b.sizes()); }
 
-// A hint for a fresh CPU buffer: back it with transparent huge pages before the first write. On Linux
-// with THP in "madvise" mode a fresh 64 MB output otherwise costs 16384 page faults, which can take
-// longer than the op itself. A hint only: errors are ignored.
-inline void advise_huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  if (data == nullptr || bytes < 2 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
 
 // A fresh contiguous tensor of `sizes` and `dtype` on like's device; on the CPU with the huge-page hint,
 // which every large output written once wants. Made by the C shim's empty_strided, one ATen call:
