@@ -45,19 +45,19 @@ from setuptools import setup  # noqa: E402
 # imports no torch.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from opbuilder import prebuilt  # noqa: E402
+from opbuilder.jit import prebuild  # noqa: E402
 
 
 def main() -> None:
-    announce = any(command in sys.argv[1:] for command in prebuilt.BUILD_COMMANDS)
+    announce = any(command in sys.argv[1:] for command in prebuild.BUILD_COMMANDS)
     try:
-        extensions = prebuilt.extensions(prebuilt.plan(announce=announce))
-    except (prebuilt.PrebuildError, ValueError) as exc:  # ValueError: e.g. a malformed TORCH_CUDA_ARCH_LIST
+        extensions = prebuild.extensions(prebuild.plan(announce=announce))
+    except (prebuild.PrebuildError, ValueError) as exc:  # ValueError: e.g. a malformed TORCH_CUDA_ARCH_LIST
         sys.exit(f"opbuilder: {exc}")
     if not extensions:
         setup()
         return
-    setup(ext_modules=extensions, cmdclass={"build_ext": prebuilt.build_ext_class()})
+    setup(ext_modules=extensions, cmdclass={"build_ext": prebuild.build_ext_class()})
 
 
 main()

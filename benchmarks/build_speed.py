@@ -50,7 +50,7 @@ def run(body: str, env: dict[str, str]) -> tuple[float, float, str]:
 RELU_OPB = "import opbuilder.ops as ops\nx = torch.randn(1000, device='{device}')\nops.relu(x)\n{sync}"
 RELU_PEER = textwrap.dedent("""
     from torch.utils.cpp_extension import load
-    from opbuilder.registry import get_builder
+    from opbuilder.jit.registry import get_builder
     spec = get_builder('relu').build_spec()
     load(name='relu_peer', sources=spec.sources, extra_cflags=spec.cxx_args + ['-DOPB_NAMESPACE=opb_relu_peer'],
          extra_cuda_cflags=spec.nvcc_args + ['-DOPB_NAMESPACE=opb_relu_peer'], extra_ldflags=spec.ldflags,
@@ -126,7 +126,7 @@ def cuda_cases(repeat: int):
 
 SOFTMAX_PEER = textwrap.dedent("""
     from torch.utils.cpp_extension import load
-    from opbuilder.registry import get_builder
+    from opbuilder.jit.registry import get_builder
     spec = get_builder('softmax').build_spec()
     load(name='softmax_peer', sources=spec.sources, extra_cflags=spec.cxx_args + ['-DOPB_NAMESPACE=opb_softmax_peer'],
          extra_cuda_cflags=spec.nvcc_args + ['-DOPB_NAMESPACE=opb_softmax_peer'], extra_ldflags=spec.ldflags,

@@ -4,7 +4,7 @@ part 4): 16-element inputs, one thread, with and without requires_grad.
     python benchmarks/host_overhead.py [--device cpu|cuda] [--json FILE] [OP ...]
 
 Exit status 1 when a ratio misses its target (relu and softmax at most 2.5x the torch call; a fused op
-no slower than the unfused sequence). See opbuilder/bench/host.py for how it is measured.
+no slower than the unfused sequence). See opbuilder/tools/bench/host.py for how it is measured.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from opbuilder.bench import host
-from opbuilder.bench.specs import SPECS
+from opbuilder.tools.bench import host
+from opbuilder.tools.bench.specs import SPECS
 
 
 def main(argv: list[str] | None = None) -> int:

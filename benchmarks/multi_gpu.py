@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import opbuilder.ops as ops  # noqa: E402
 from opbuilder import env  # noqa: E402
-from opbuilder.registry import names  # noqa: E402
+from opbuilder.jit.registry import names  # noqa: E402
 from parallel_models import FFNModel, Model, sequence_parallel, twins  # noqa: E402  (beside this script)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class CountBuilds:
-    """stderr, passed through, counting opbuilder's "building <op>" lines (opbuilder.build.say)."""
+    """stderr, passed through, counting opbuilder's "building <op>" lines (opbuilder.jit.build.say)."""
 
     def __init__(self, stream) -> None:
         self.stream, self.counts = stream, {}

@@ -38,7 +38,7 @@ import json, time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
-from opbuilder.registry import get_builder
+from opbuilder.jit.registry import get_builder
 get_builder({op!r}).load()
 t2 = time.perf_counter()
 print(json.dumps({{"import_torch_s": t1 - t0, "load_s": t2 - t1}}))
@@ -59,7 +59,7 @@ print(json.dumps({{"import_op_module_s": t1 - t0, "first_call_s": t2 - t1}}))
 COLD = """
 import json, time
 import torch
-from opbuilder.registry import get_builder
+from opbuilder.jit.registry import get_builder
 b = get_builder({op!r})
 t0 = time.perf_counter()
 b.load()

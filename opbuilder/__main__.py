@@ -2,6 +2,6 @@
 
 import sys
 
-from opbuilder.cli import main
+from opbuilder.tools.cli import main
 
 sys.exit(main())

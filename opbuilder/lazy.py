@@ -1,65 +1,6 @@
-"""Loading an op on its first call, and registering its fake and autograd once loaded.
+"""The old place of ``LazyOps``, which projects written by an earlier ``opbuilder new`` import; it lives in
+``opbuilder.torchop.lazy``."""
 
-An op's namespace carries its build key, so its fake and autograd registrations can only be made
-after the load: each op's Python file passes a ``register(namespace)`` function that makes them.
+from opbuilder.torchop.lazy import LazyOps
 
-The first call may come inside ``torch.compile``: ``namespace_of`` is marked as having a constant
-result (what ``torch.compiler.assume_constant_result`` does, without importing Dynamo at import
-time, which would cost most of a second), so Dynamo runs it once while tracing and keeps the name.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
-from opbuilder.builder import OpBuilder
-from opbuilder.eager import EagerOps
-
-_ENTRIES: dict[str, tuple[str | OpBuilder, Callable[[str], None]]] = {}
-_NAMESPACES: dict[str, str] = {}
-
-
-def namespace_of(entry: str) -> str:
-    """The ``torch.ops`` namespace of a registered op, loading it (building it if needed) first."""
-    name = _NAMESPACES.get(entry)
-    if name is None:
-        builder, register = _ENTRIES[entry]
-        if isinstance(builder, str):
-            from opbuilder.registry import get_builder
-
-            builder = get_builder(builder)
-        handle = builder.load()
-        name = handle.name
-        register(name)
-        _NAMESPACES[entry] = name
-    return name
-
-
-namespace_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-class LazyOps:
-    """``LazyOps(builder, register)()`` is the loaded ``torch.ops`` namespace of the builder's op.
-
-    ``builder``: an ``OpBuilder`` (a user's op) or a built-in op's name. Nothing is built or loaded
-    until the first call.
-    """
-
-    def __init__(self, builder: str | OpBuilder, register: Callable[[str], None]) -> None:
-        self.entry = builder if isinstance(builder, str) else f"{type(builder).__module__}.{type(builder).__qualname__}"
-        _ENTRIES[self.entry] = (builder, register)
-        self._eager: EagerOps | None = None
-
-    def __call__(self) -> Any:
-        return getattr(torch.ops, namespace_of(self.entry))
-
-    def eager(self) -> EagerOps:
-        """The loaded ops' direct entries for eager calls (``opbuilder.eager``), bound once: later calls
-        cost one attribute read. Not for code Dynamo traces (use ``self()`` there)."""
-        ops = self._eager
-        if ops is None:
-            ops = self._eager = EagerOps(self())
-        return ops
+__all__ = ["LazyOps"]

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
-from opbuilder import sharding
-from opbuilder import eager
-from opbuilder.dispatch import ROUTES as _ROUTES
-from opbuilder.lazy import LazyOps
+from opbuilder.torchop import sharding
+from opbuilder.torchop import eager
+from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.torchop.lazy import LazyOps
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
@@ -45,7 +45,7 @@ def _register(ns: str) -> None:
     # the other device's kernel and its checks, so they check the devices (the functions' usual path leaves
     # the checks to the op).
     # The .nograd overloads are the forwards without an autograd formula, for calls that record no gradient
-    # (opbuilder.eager): the same fakes.
+    # (opbuilder.torchop.eager): the same fakes.
     @torch.library.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
     @torch.library.register_fake(f"{ns}::fused_add_rmsnorm")
     def _(input, residual, weight, eps):

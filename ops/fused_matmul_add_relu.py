@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same
-from opbuilder import sharding
-from opbuilder import eager
-from opbuilder.dispatch import ROUTES as _ROUTES
-from opbuilder.lazy import LazyOps
+from opbuilder.torchop import sharding
+from opbuilder.torchop import eager
+from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.torchop.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -66,7 +66,7 @@ def _register(ns: str) -> None:
     # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
     # the other device's kernel and its checks, so they check the devices (the function's usual path
     # leaves the checks to the op).
-    # .nograd: the forward without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    # .nograd: the forward without an autograd formula, for calls that record no gradient (opbuilder.torchop.eager).
     @torch.library.register_fake(f"{ns}::{_OP}.nograd")
     @torch.library.register_fake(f"{ns}::{_OP}")
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import check_float, check_same, check_tensor
-from opbuilder import sharding
-from opbuilder import eager
-from opbuilder.dispatch import ROUTES as _ROUTES
-from opbuilder.lazy import LazyOps
+from opbuilder.torchop import sharding
+from opbuilder.torchop import eager
+from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.torchop.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -39,7 +39,7 @@ def _register(ns: str) -> None:
         )
 
     # The forward without an autograd formula and without the statistics, for calls that record no
-    # gradient (opbuilder.eager).
+    # gradient (opbuilder.torchop.eager).
     @torch.library.register_fake(f"{ns}::fused_relu_layernorm.nograd")
     def _(x, weight, bias, eps):
         _check_devices(x, weight, bias, eps)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
-from opbuilder import sharding
-from opbuilder import eager
-from opbuilder.dispatch import ROUTES as _ROUTES
-from opbuilder.lazy import LazyOps
+from opbuilder.torchop import sharding
+from opbuilder.torchop import eager
+from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.torchop.lazy import LazyOps
 
 
 def mask_words(numel: int, dtype: torch.dtype) -> int:
@@ -27,7 +27,7 @@ def _register(ns: str) -> None:
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    # relu.nograd: relu without an autograd formula, for calls that record no gradient (opbuilder.eager).
+    # relu.nograd: relu without an autograd formula, for calls that record no gradient (opbuilder.torchop.eager).
     @torch.library.register_fake(f"{ns}::relu.nograd")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -37,7 +37,7 @@ def _register(ns: str) -> None:
         mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
 
-    # relu_mask without an autograd formula: the forward of relu_mask's Function (opbuilder.eager).
+    # relu_mask without an autograd formula: the forward of relu_mask's Function (opbuilder.torchop.eager).
     @torch.library.register_fake(f"{ns}::relu_mask.nograd")
     def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)

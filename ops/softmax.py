@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
-from opbuilder import sharding
-from opbuilder import eager
-from opbuilder.dispatch import ROUTES as _ROUTES
-from opbuilder.lazy import LazyOps
+from opbuilder.torchop import sharding
+from opbuilder.torchop import eager
+from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.torchop.lazy import LazyOps
 
 _OP = "softmax"
 
@@ -33,7 +33,7 @@ def _register(ns: str) -> None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
     # forward.nograd: the forward without an autograd formula, for calls that record no gradient
-    # (opbuilder.eager).
+    # (opbuilder.torchop.eager).
     @torch.library.register_fake(f"{ns}::forward.nograd")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from opbuilder import definitions
-from opbuilder import implementations as impls
+from opbuilder.dispatch import definitions
+from opbuilder.dispatch import implementations as impls
 
 BUILDERS = '''
 from opbuilder import OpBuilder

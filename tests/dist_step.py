@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import opbuilder
-from opbuilder.demo import twin_models
+from opbuilder.tools.demo import twin_models
 
 
 def main(out_dir: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from opbuilder.definitions import TOLERANCES  # (rtol, atol) per input dtype; check uses the same table
+from opbuilder.dispatch.definitions import TOLERANCES  # (rtol, atol) per input dtype; check uses the same table
 
 __all__ = ["TOLERANCES", "assert_close_to_ref"]
 

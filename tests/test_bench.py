@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from opbuilder.bench import main
-from opbuilder.bench import report
-from opbuilder.bench.runner import SAME_BYTES_COPY, load_ours
-from opbuilder.bench.specs import SPECS, parse_dtype, parse_shape
+from opbuilder.tools.bench import main
+from opbuilder.tools.bench import report
+from opbuilder.tools.bench.runner import SAME_BYTES_COPY, load_ours
+from opbuilder.tools.bench.specs import SPECS, parse_dtype, parse_shape
 
 ROWS, COLS = 64, 96  # tiny: the test checks bookkeeping, not speed
 
@@ -185,8 +185,8 @@ def test_matmul_shapes_mean_bias_kind() -> None:
 
 
 def test_same_bytes_copy_moves_the_model_bytes_from_each_set() -> None:
-    from opbuilder.bench.runner import CaseRunner
-    from opbuilder.bench.timing import CpuTimer
+    from opbuilder.tools.bench.runner import CaseRunner
+    from opbuilder.dispatch.timing import CpuTimer
 
     runner = CaseRunner(CpuTimer(budget_ms=1), copy_GBps=1.0)
     sets = [(torch.zeros(3),), (torch.zeros(3),)]

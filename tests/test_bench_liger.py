@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opbuilder.bench import liger, report
-from opbuilder.bench.runner import LIGER, Case, CaseRunner, load_ours
-from opbuilder.bench.specs import LN_EPS, RMS_EPS, SPECS, eager_add_rmsnorm
-from opbuilder.bench.timing import CpuTimer
+from opbuilder.tools.bench import liger, report
+from opbuilder.tools.bench.runner import LIGER, Case, CaseRunner, load_ours
+from opbuilder.tools.bench.specs import LN_EPS, RMS_EPS, SPECS, eager_add_rmsnorm
+from opbuilder.dispatch.timing import CpuTimer
 
 
 class FakeLiger:

@@ -11,7 +11,7 @@ import torch
 
 from conftest import copy_cache, run_python
 from opbuilder import OpBuilder, UnknownOpError, env, get_builder
-from opbuilder.registry import names
+from opbuilder.jit.registry import names
 from userop import load_snippet, write_user_op
 
 
@@ -86,7 +86,7 @@ def test_cpu_torch_builds_the_cpu_part_and_says_why() -> None:
 
 
 def test_arch_list_parsing() -> None:
-    from opbuilder.toolchain import parse_arch_list
+    from opbuilder.jit.toolchain import parse_arch_list
 
     assert parse_arch_list("9.0;8.0 8.6+PTX") == ["8.0", "8.6+PTX", "9.0"]
     assert parse_arch_list("9.0a") == ["9.0a"]
@@ -233,7 +233,7 @@ def test_deepspeed_tutorial_builder_with_pybind(tmp_path: Path, fresh_cache: Pat
 def test_compiler_without_shared_cxx_runtime_gets_it_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A g++ that only has libstdc++.a would give each op its own C++ runtime, whose locale is never
     set up (number formatting in an error message then crashes): such a compiler links libstdc++.so.6."""
-    from opbuilder import toolchain
+    from opbuilder.jit import toolchain
 
     fake = tmp_path / "bin" / "g++"
     fake.parent.mkdir()
@@ -304,7 +304,7 @@ def test_parallel_for_in_an_op_runs_on_torchs_threads(tmp_path: Path, fresh_cach
 
 
 def test_openmp_flags_follow_the_compiler_and_torchs_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from opbuilder import toolchain
+    from opbuilder.jit import toolchain
 
     monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
     cxx_args, ldflags = toolchain.openmp_flags()

@@ -200,7 +200,7 @@ def test_failed_build_reports_compiler_error_here_and_in_waiter(tmp_path: Path, 
 
 CLEAN_AFTER_BUILD = """
 import subprocess, sys
-from opbuilder import build
+from opbuilder.jit import build
 real_ensure_built = build.ensure_built
 cleaned = []
 def ensure_built_then_clean(spec, **kwargs):

@@ -20,7 +20,8 @@ import pytest
 from filelock import FileLock
 
 from conftest import ROOT
-from opbuilder import cli, registry, report
+from opbuilder.jit import registry
+from opbuilder.tools import cli, report
 
 
 def _env(cache_root: Path, **extra: str) -> dict[str, str]:
@@ -55,10 +56,10 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_help_lists_the_commands_and_imports_no_torch() -> None:
     code = (
-        "import sys\nfrom opbuilder.cli import main\n"
+        "import sys\nfrom opbuilder.tools.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "assert 'torch' not in sys.modules, 'opbuilder --help imported torch'\n"
-        "import opbuilder.report, opbuilder.prebuilt, opbuilder.scaffold\n"
+        "import opbuilder.tools.report, opbuilder.jit.prebuild, opbuilder.tools.scaffold\n"
         "assert 'torch' not in sys.modules, 'importing the CLI modules imported torch'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -71,9 +72,9 @@ def test_help_lists_the_commands_and_imports_no_torch() -> None:
 
 def test_bench_gets_every_remaining_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    fake = types.ModuleType("opbuilder.bench")
+    fake = types.ModuleType("opbuilder.tools.bench")
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "opbuilder.bench", fake)
+    monkeypatch.setitem(sys.modules, "opbuilder.tools.bench", fake)
     import opbuilder
 
     monkeypatch.setattr(opbuilder, "bench", fake, raising=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from opbuilder import registry, toolchain
-from opbuilder.builder import INCLUDE_DIR, KERNELS_DIR
+from opbuilder.jit import registry, toolchain
+from opbuilder.paths import INCLUDE_DIR, KERNELS_DIR
 
 NVCC = toolchain.nvcc_path()
 # With a GPU, the CUDA tests build every op for it (torch's own nvcc command, these files, the GPU's arch):

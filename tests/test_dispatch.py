@@ -15,7 +15,7 @@ import torch
 
 import dispatch_userop
 from conftest import ROOT
-from opbuilder import check, dispatch, trace
+from opbuilder.dispatch import check, router as dispatch, trace
 from opbuilder.errors import BuildError, FallbackWarning
 
 USEROP_DIR = ROOT / "build" / "dispatch-userop"
@@ -97,7 +97,7 @@ def test_a_trace_that_says_the_reference_is_fastest_for_small_shapes(two_version
         calls.append(tuple(x.shape))
         return dispatch_userop.reference(x)
 
-    from opbuilder import implementations
+    from opbuilder.dispatch import implementations
 
     implementations.register(op, implementations.reference(spy))
     rows = check.check(op)
@@ -131,7 +131,7 @@ def test_apply_with_nothing_registered_calls_the_function() -> None:
 def test_apply_under_torch_compile_fullgraph(two_versions: str) -> None:
     """A dispatched user op whose choice is a Python function traces without a graph break."""
     op = "twice_plus_one_python"
-    from opbuilder import definitions, implementations
+    from opbuilder.dispatch import definitions, implementations
 
     definitions.register(replace(definitions.get(two_versions), name=op))
     implementations.register(op, implementations.python("fast", lambda x: x + x + 1))
@@ -144,7 +144,7 @@ def test_apply_under_torch_compile_fullgraph(two_versions: str) -> None:
 def test_tune_stores_a_trace_that_dispatch_follows(capsys: pytest.CaptureFixture[str]) -> None:
     """The real tune (a few ms a case): a trace with a time for every row that passed, none for the others;
     the command prints it; dispatch, whatever the times, keeps odd widths away from v2."""
-    from opbuilder import cli
+    from opbuilder.tools import cli
 
     op = "twice_plus_one_tuned"
     dispatch_userop.define(op, USEROP_DIR, ("v1", "v2"))
@@ -163,7 +163,7 @@ def test_tune_stores_a_trace_that_dispatch_follows(capsys: pytest.CaptureFixture
 
 
 def test_cli_names_an_unknown_op(capsys: pytest.CaptureFixture[str]) -> None:
-    from opbuilder import cli
+    from opbuilder.tools import cli
 
     assert cli.main(["check", "no_such_op"]) == 1
     err = capsys.readouterr().err
@@ -175,7 +175,7 @@ def test_cli_names_an_unknown_op(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_every_status_of_a_python_implementation(two_versions: str) -> None:
     """Wrong shape, wrong dtype, an exception, and the edge workloads (one row, odd widths, empty)."""
-    from opbuilder import definitions, implementations
+    from opbuilder.dispatch import definitions, implementations
 
     op = "twice_plus_one_statuses"
     definitions.register(replace(definitions.get(two_versions), name=op))

@@ -12,7 +12,7 @@ import torch
 
 import opbuilder.ops as ops
 from conftest import run_python
-from opbuilder import check, dispatch, implementations
+from opbuilder.dispatch import check, router as dispatch, implementations
 
 SPY_CALLS: list[tuple[int, ...]] = []
 
@@ -20,7 +20,7 @@ SPY_CALLS: list[tuple[int, ...]] = []
 def relu_trace(fastest: dict[str, str]) -> Path:
     """Store a trace for relu in which every implementation passed and ``fastest[workload]`` (default
     "compiled") is the fastest: the trace is this test's input, so it is written, not measured."""
-    from opbuilder import definitions, trace
+    from opbuilder.dispatch import definitions, trace
 
     rows = []
     for w in definitions.get("relu").workloads_for(torch.device("cpu")):
@@ -159,7 +159,7 @@ def test_no_compiler_runs_every_builtin_op_through_the_fallback(tmp_path: Path) 
 
 
 def test_report_shows_implementations_and_picks(relu_spy) -> None:
-    from opbuilder import dispatch_report
+    from opbuilder.tools import dispatch_report
 
     d = dispatch_report.op_dispatch("relu")
     assert [i["name"] for i in d["implementations"]] == ["compiled", "torch.compile", "reference"]

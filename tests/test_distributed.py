@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from opbuilder.registry import names
+from opbuilder.jit.registry import names
 
 RANKS = 8
 

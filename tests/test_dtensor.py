@@ -72,7 +72,7 @@ def test_helpers_name_what_is_wrong() -> None:
     """A misspelt argument name would silently make a weight a row tensor: it is an error instead."""
     import torch
 
-    from opbuilder import sharding
+    from opbuilder.torchop import sharding
 
     mul = torch.ops.aten.mul.Tensor
     with pytest.raises(ValueError, match=r"params must name tensor arguments of aten::mul \(self, other\), got"):

@@ -1,4 +1,4 @@
-"""The eager fast path (opbuilder/eager.py): plain calls skip the Python autograd kernel, calls that
+"""The eager fast path (opbuilder/torchop/eager.py): plain calls skip the Python autograd kernel, calls that
 need a gradient get the registered formula through a Function of their own, and every other context
 (Dynamo, functorch, forward AD, autocast) takes the registered op."""
 
@@ -13,7 +13,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opbuilder import eager, ops
+from opbuilder import ops
+from opbuilder.torchop import eager
 
 # name -> (our call, the same through the registered torch.ops op, inputs builder)
 _W = lambda n: torch.randn(n, dtype=torch.float64)  # noqa: E731

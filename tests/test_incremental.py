@@ -22,7 +22,7 @@ import torch
 
 import twofile
 from conftest import default_sigint, run_python
-from opbuilder import cache, compile as ninja_build, toolchain
+from opbuilder.jit import cache, compile as ninja_build, toolchain
 from opbuilder.errors import BuildError
 
 X = torch.arange(3, dtype=torch.float32)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICES
-from opbuilder.demo import train, twin_models
+from opbuilder.tools.demo import train, twin_models
 
 
 @pytest.mark.parametrize("device", DEVICES)

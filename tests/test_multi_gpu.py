@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from opbuilder.registry import names
+from opbuilder.jit.registry import names
 
 PLANS = ("DDP", "FSDP2", "TP+SP")
 

@@ -158,7 +158,7 @@ def test_prebuilt_with_other_sources_is_not_used(installed: dict, tmp_path: Path
     shutil.copytree(installed["site"], site)
     kernel = site / "opbuilder" / "kernels" / "relu" / "relu_cpu.cpp"
     kernel.write_text(kernel.read_text() + "\n// edited after install\n")
-    code = "from opbuilder import get_builder, prebuilt\nprint('WHY', prebuilt.find(get_builder('relu'))[2])"
+    code = "from opbuilder import get_builder\nfrom opbuilder.jit import prebuilt\nprint('WHY', prebuilt.find(get_builder('relu').prebuilt_wanted())[2])"
     proc = _python(code, tmp_path, PYTHONPATH=str(site))
     assert proc.returncode == 0, proc.stderr
     assert "WHY its sources differ from the installed ones (op/relu/relu_cpu.cpp)" in proc.stdout

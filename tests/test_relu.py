@@ -193,10 +193,10 @@ def test_the_training_path_saves_only_the_mask(device: str) -> None:
         y = ops.relu(x)
         y.backward(torch.ones_like(y))
     assert [(t.dtype, t.numel()) for t in saved] == [(torch.int32, mask_words(1000, torch.float32))]
-    # (relu_mask's overload without autograd, inside the eager path's Function: opbuilder.eager)
+    # (relu_mask's overload without autograd, inside the eager path's Function: opbuilder.torchop.eager)
     assert "relu_mask.nograd" in calls.names and "relu_mask_backward" in calls.names and "relu" not in calls.names
     assert "threshold_backward" not in calls.names
-    # Without a gradient to compute, no mask is written: relu's overload without autograd (opbuilder.eager).
+    # Without a gradient to compute, no mask is written: relu's overload without autograd (opbuilder.torchop.eager).
     for no_grad_input in (x.detach(), x):
         with torch.no_grad(), Calls() as calls:
             ops.relu(no_grad_input)

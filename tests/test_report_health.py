@@ -19,7 +19,7 @@ import pytest
 from filelock import FileLock
 
 from conftest import ROOT, run_python
-from opbuilder import report
+from opbuilder.tools import report
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import CUDA, ROOT, requires_cuda
-from opbuilder import scaffold, toolchain
-from opbuilder.builder import INCLUDE_DIR, OpBuilder
+from opbuilder.jit import toolchain
+from opbuilder.tools import scaffold
+from opbuilder.jit.builder import OpBuilder
+from opbuilder.paths import INCLUDE_DIR
 
 NVCC = toolchain.nvcc_path()
 TORCH_NVCC_DEFINES = [

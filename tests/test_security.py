@@ -115,7 +115,7 @@ import ctypes, json, sys
 {before}
 import torch
 {after}
-from opbuilder import registry, toolchain
+from opbuilder.jit import registry, toolchain
 print("FLAGS", json.dumps({{"flags": toolchain.openmp_flags(), "key": registry.get_builder("relu").key}}))
 """
 
@@ -129,7 +129,7 @@ def _flags_and_key(before: str = "", after: str = "") -> dict:
 def test_openmp_runtime_does_not_depend_on_what_was_loaded_first(tmp_path: Path) -> None:
     import torch
 
-    from opbuilder import elf, toolchain
+    from opbuilder.jit import elf, toolchain
 
     clean = _flags_and_key()
     if not clean["flags"][0]:
@@ -202,7 +202,7 @@ PATH=$(printf %s "$PATH" | sed "s|$(dirname "$0"):||") exec "$name" "$@"
 
 CXX_AND_OPENMP = """
 import json
-from opbuilder import toolchain
+from opbuilder.jit import toolchain
 print("CXX", json.dumps({"cxx": toolchain.cxx_path(), "openmp": toolchain.openmp_flags()}))
 """
 
@@ -235,7 +235,7 @@ def test_full_disk_in_cache_writes_is_a_cache_error(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
     code = (
-        "from pathlib import Path\nfrom opbuilder import cache\nfrom opbuilder.errors import CacheError\n"
+        "from pathlib import Path\nfrom opbuilder.jit import cache\nfrom opbuilder.errors import CacheError\n"
         f"root = Path({str(root)!r})\n"
         "for write in (lambda: cache.write_text_atomic(root / 'op' / 'k.failed.json', 'x' * 100000),\n"
         "              lambda: cache.record_failure(cache.Slot('op', 'k'), 'failed', 'log ' * 100000)):\n"

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from opbuilder import cache, registry, toolchain
-from opbuilder.builder import CUDA_SUFFIXES, INCLUDE_DIR, KERNELS_DIR
+from opbuilder.jit import cache, registry, toolchain
+from opbuilder.jit.builder import CUDA_SUFFIXES
+from opbuilder.paths import INCLUDE_DIR, KERNELS_DIR
 
 OPS = registry.names()
 NM = shutil.which("nm")

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from opbuilder import check, definitions, dispatch, implementations as impls
-from opbuilder.dispatch import FallbackWarning
+from opbuilder.dispatch import check, definitions, router as dispatch, implementations as impls
+from opbuilder.dispatch.router import FallbackWarning
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 OP = "triton_twice_plus_one"

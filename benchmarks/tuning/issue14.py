@@ -13,7 +13,7 @@ Cases (H100 targets of issue 14):
   change would reach there too.
 
 Every variant is checked on fresh random inputs against a float64 reference, into a NaN-poisoned output,
-before it is timed. Timing: opbuilder's own CUDA timer (opbuilder/bench/timing.py: a sleep kernel hides the
+before it is timed. Timing: opbuilder's own CUDA timer (opbuilder/dispatch/timing.py: a sleep kernel hides the
 host, events around each call, median of the repeats), input sets rotated beyond 4x the L2 as the bench does,
 outputs allocated per call as the ops do, two rounds taken in turns (the spread between them is the noise).
 Some cases are also timed with triton's do_bench (an L2 flush before each call; column "flush").
@@ -52,7 +52,7 @@ OUT = Path(os.environ.get("OUT", "/tmp"))
 if str(ROOT) not in sys.path:  # opbuilder from this checkout, whether or not it is installed
     sys.path.insert(0, str(ROOT))
 NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
-NVCC_FLAGS = [  # as the op builder compiles CUDA (opbuilder/builder.py, torch's cpp_extension defines)
+NVCC_FLAGS = [  # as the op builder compiles CUDA (opbuilder/jit/builder.py, torch's cpp_extension defines)
     "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
     "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-D__CUDA_NO_HALF2_OPERATORS__", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Ikernels",
@@ -142,7 +142,7 @@ class Lib:
 
 class Bench:
     def __init__(self) -> None:
-        from opbuilder.bench.timing import CudaTimer, copy_bandwidth
+        from opbuilder.dispatch.timing import CudaTimer, copy_bandwidth
 
         self.device = torch.device("cuda")
         self.timer = CudaTimer(self.device, budget_ms=120)
@@ -159,7 +159,7 @@ class Bench:
     def time(self, case: str, impls: dict[str, tuple[Callable, Callable | None]], nbytes: int | None = None,
              flush: tuple[str, ...] = ()) -> list[dict]:
         """Every impl measured in turns, `rounds` times; rows with median, per-round medians and mean."""
-        from opbuilder.bench.timing import Timing
+        from opbuilder.dispatch.timing import Timing
 
         parts: dict[str, list] = {k: [] for k in impls}
         for _ in range(self.timer.rounds):
@@ -382,7 +382,7 @@ def rms_ref(x, r, w):
 
 
 def rmsnorm_case(b: Bench, lib: Lib, rows: int) -> None:
-    from opbuilder.bench.specs import eager_add_rmsnorm
+    from opbuilder.tools.bench.specs import eager_add_rmsnorm
     from opbuilder.ops.fused_add_rmsnorm import fused_add_rmsnorm
 
     hidden = 4096

@@ -8,7 +8,7 @@ launcher ("dispatch": what the op runs; "fresh y": with y, mean and rstd allocat
 and torch.compile's code do); the other names are textual patches of the working tree's kernel (PATCHES,
 checked to apply). Every variant is checked against a float64 reference first (odd row counts, a large
 offset, no weight or bias, y poisoned with NaN beforehand), except floors that compute something else on
-purpose, then timed with opbuilder's CUDA timer (opbuilder/bench/timing.py) on input sets rotated beyond
+purpose, then timed with opbuilder's CUDA timer (opbuilder/dispatch/timing.py) on input sets rotated beyond
 4x the L2, in two rounds (their spread is the noise), beside a device-to-device copy. Event times come in
 steps of about 0.6 us, so for the short cases the mean column says more than the median.
 

@@ -10,7 +10,7 @@ where the forward+backward step's time goes, in one run.
   given one tensor for both, autograd clones it), their parts (forward, backward ops, a clone), and backward
   kernel configs.
 
-Timing: opbuilder's own CUDA timer (opbuilder/bench/timing.py), input sets rotated beyond 4x the L2 as the
+Timing: opbuilder's own CUDA timer (opbuilder/dispatch/timing.py), input sets rotated beyond 4x the L2 as the
 bench does, two rounds (the spread between them is the noise). Every config is checked against the op first.
 
   python3 benchmarks/tuning/quick_rmsnorm.py --build   here: nvcc -> build/quick_rms/libquick_rms.so
@@ -217,7 +217,7 @@ def info(backward: int, v: int) -> dict:
 
 
 def set_count(footprint: int, timer: timing.CudaTimer) -> int:
-    """As the bench: enough sets to span 4x the L2 (opbuilder/bench/runner.py)."""
+    """As the bench: enough sets to span 4x the L2 (opbuilder/tools/bench/runner.py)."""
     wanted = math.ceil(4 * timer.cache_bytes() / footprint)
     return max(1, min(wanted, 256, timer.spare_bytes() // footprint))
 

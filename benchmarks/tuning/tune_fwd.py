@@ -6,7 +6,7 @@ library built from TUNE_CU below (no torch headers; called through ctypes with r
 is the committed launcher and kernels (git HEAD), copied into build/tune/orig/ with only their namespace renamed.
 
 Every variant is checked first (fresh random inputs, outputs poisoned with NaN beforehand, odd sizes), then
-timed with opbuilder's own CUDA timer (opbuilder/bench/timing.py: a sleep kernel hides the host's launch
+timed with opbuilder's own CUDA timer (opbuilder/dispatch/timing.py: a sleep kernel hides the host's launch
 time, CUDA events around one call, warm-up, median), on input sets rotated beyond 4x the L2, in two rounds
 (the spread between rounds is the noise), beside torch eager, torch.compile and a device-to-device copy.
 benchmarks/NOTES.md has the results of each run.

@@ -2,7 +2,7 @@
 
 A plan is [path, threads, vpt, cluster] (kernels/softmax/softmax.cuh). Each plan runs through the op's
 tuning entry point ``forward_with_plan`` on the same rotated random inputs, timed with opbuilder's own CUDA
-timer (opbuilder/bench/timing.py), beside torch.softmax and a device-to-device copy measured in the same run (and a
+timer (opbuilder/dispatch/timing.py), beside torch.softmax and a device-to-device copy measured in the same run (and a
 copy of the case's own bytes: what moving them takes at that size).
 Every plan's output is checked against torch.softmax first. benchmarks/NOTES.md records the runs.
 
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from opbuilder.bench.timing import CudaTimer, Timing, copy_bandwidth
+from opbuilder.dispatch.timing import CudaTimer, Timing, copy_bandwidth
 from opbuilder.ops.softmax import namespace
 
 CASES = [((4096, 4096), torch.bfloat16), ((16384, 32768), torch.bfloat16), ((4096, 4096), torch.float32),

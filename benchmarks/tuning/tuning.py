@@ -4,9 +4,9 @@ plain shared library (no torch headers) and call it through ctypes."""
 
 from __future__ import annotations
 
-from opbuilder.bench import timing  # noqa: F401  (re-exported: the same timer as `opbuilder bench`)
+from opbuilder.dispatch import timing  # noqa: F401  (re-exported: the same timer as `opbuilder bench`)
 
-NVCC_FLAGS = [  # as the op builder compiles (opbuilder/builder.py, torch's cpp_extension defines)
+NVCC_FLAGS = [  # as the op builder compiles (opbuilder/jit/builder.py, torch's cpp_extension defines)
     "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
     "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-D__CUDA_NO_HALF2_OPERATORS__", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Ikernels",

@@ -2,6 +2,6 @@
 
 import sys
 
-from opbuilder.bench.command import main
+from opbuilder.tools.bench.command import main
 
 sys.exit(main(sys.argv[1:]))

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opbuilder import cache, env, fingerprint, registry, toolchain
-from opbuilder.builder import INCLUDE_DIR, PACKAGE_DIR, OpBuilder
+from opbuilder import env
+from opbuilder.jit import cache, fingerprint, registry, toolchain
+from opbuilder.jit.builder import OpBuilder
+from opbuilder.paths import INCLUDE_DIR, PACKAGE_DIR
 from opbuilder.errors import OpBuilderError
 
 # ---- facts about the cache ----------------------------------------------------------------------
@@ -254,7 +256,7 @@ def op_row(name: str, here: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def _fill(row: dict[str, Any], builder: OpBuilder, here: dict[str, Any]) -> None:
-    from opbuilder import prebuilt
+    from opbuilder.jit import prebuilt
 
     name = builder.name
     reasons = builder.incompatibility_reasons()
@@ -262,11 +264,12 @@ def _fill(row: dict[str, Any], builder: OpBuilder, here: dict[str, Any]) -> None
     row["compatible"] = not reasons
     skip = builder.cuda_skip_reason()
     row["cuda"] = {"built": skip is None, "archs": builder.cuda_archs() if skip is None else [], "why_not": skip}
-    artifact, record, why = prebuilt.find(builder)
+    wanted = builder.prebuilt_wanted()
+    artifact, record, why = prebuilt.find(wanted)
     if artifact is not None:
         row["prebuilt"] = {"usable": True, "path": str(artifact), "why_not": None}
     elif record is not None or why is not None:
-        row["prebuilt"] = {"usable": False, "path": str(prebuilt.op_dir(name)), "why_not": why}
+        row["prebuilt"] = {"usable": False, "path": str(wanted.folder if wanted else builder.prebuilt_dir()), "why_not": why}
     if reasons:
         return
     slot = cache.Slot(name, builder.key)

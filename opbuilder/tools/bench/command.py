@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from opbuilder.bench import host, liger, report
-from opbuilder.bench.runner import BACKWARD, FORWARD, Case, CaseRunner, load_ours
-from opbuilder.bench.specs import SPECS, Fn, OpSpec, Shape, dtype_name, parse_dtype, parse_shape
-from opbuilder.bench.timing import CpuTimer, CudaTimer, Timer, copy_bandwidth
+from opbuilder.tools.bench import host, liger, report
+from opbuilder.tools.bench.runner import BACKWARD, FORWARD, Case, CaseRunner, load_ours
+from opbuilder.tools.bench.specs import SPECS, Fn, OpSpec, Shape, dtype_name, parse_dtype, parse_shape
+from opbuilder.dispatch.timing import CpuTimer, CudaTimer, Timer, copy_bandwidth
 
 DESCRIPTION = """\
 Time opbuilder's ops beside PyTorch eager, torch.compile and, on CUDA where it is installed (pip install
@@ -106,7 +106,7 @@ def _environment(device: torch.device, timer: Timer) -> dict:
 
 
 def _host_rows(cases: list[Case], loaded: dict[str, Fn | None], device: torch.device) -> list[dict]:
-    """Host µs per call of each op that ran, beside the PyTorch call(s) it replaces (opbuilder/bench/host.py)."""
+    """Host µs per call of each op that ran, beside the PyTorch call(s) it replaces (opbuilder/tools/bench/host.py)."""
     rows: list[dict] = []
     names = [name for name in dict.fromkeys(c.spec.name for c in cases) if loaded.get(name) and name in host.HOST_CASES]
     if names:

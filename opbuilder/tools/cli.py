@@ -106,7 +106,7 @@ def _err(message: str) -> None:
 def _report(args: argparse.Namespace) -> int:
     import json
 
-    from opbuilder import dispatch_report, report
+    from opbuilder.tools import dispatch_report, report
 
     data = report.collect()
     data["dispatch"] = dispatch_report.collect()
@@ -129,7 +129,8 @@ def _check(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from opbuilder import check, dispatch_report
+    from opbuilder.dispatch import check
+    from opbuilder.tools import dispatch_report
 
     _import(args.imports)
     rows = check.check(args.op, args.device)
@@ -142,7 +143,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from opbuilder import check, dispatch_report
+    from opbuilder.dispatch import check
+    from opbuilder.tools import dispatch_report
 
     _import(args.imports)
     rows = check.tune(args.op, args.device, args.budget_ms)
@@ -161,7 +163,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from opbuilder import registry
+    from opbuilder.jit import registry
 
     if not args.ops and not args.all:
         _err("opbuilder build: name the ops to build, or pass --all; known ops: " + ", ".join(registry.names()))
@@ -204,8 +206,8 @@ def _build(args: argparse.Namespace) -> int:
 def _build_all(builders: list, jobs: int) -> list[str]:
     """Build into the cache, ``jobs`` ops at a time, one line per op as it ends; returns the ops
     that failed, after printing their compiler errors."""
-    from opbuilder.build import say
-    from opbuilder.warm import BUILT, prepare_each
+    from opbuilder.jit.build import say
+    from opbuilder.jit.warm import BUILT, prepare_each
 
     failed = []
     for name, outcome in prepare_each(builders, jobs):
@@ -224,7 +226,7 @@ def _compile_commands(args: argparse.Namespace) -> int:
     import importlib
     import json
 
-    from opbuilder import compile as ninja_build, registry
+    from opbuilder.jit import compile as ninja_build, registry
 
     entries = []
     for name in args.ops or registry.names():
@@ -245,7 +247,9 @@ def _compile_commands(args: argparse.Namespace) -> int:
 def _clean(args: argparse.Namespace) -> int:
     from filelock import FileLock, Timeout
 
-    from opbuilder import cache, env, registry, report, toolchain
+    from opbuilder import env
+    from opbuilder.jit import cache, registry, toolchain
+    from opbuilder.tools import report
 
     root = env.cache_root()
     ops = list(dict.fromkeys(args.ops)) or report.cached_ops(root)
@@ -311,12 +315,14 @@ def _clean(args: argparse.Namespace) -> int:
 
 
 def _clean_work(op: str) -> int:
-    """Remove the op's object folders (``opbuilder.compile``) that no build is using; returns bytes freed."""
+    """Remove the op's object folders (``opbuilder.jit.compile``) that no build is using; returns bytes freed."""
     import shutil
 
     from filelock import FileLock, Timeout
 
-    from opbuilder import compile as ninja_build, env, report
+    from opbuilder import env
+    from opbuilder.jit import compile as ninja_build
+    from opbuilder.tools import report
 
     freed = 0
     for work in sorted((env.cache_root() / ninja_build.WORK_ROOT).glob(f"{op}-*")):
@@ -339,7 +345,7 @@ def _clean_work(op: str) -> int:
 
 
 def _new(args: argparse.Namespace) -> int:
-    from opbuilder import scaffold
+    from opbuilder.tools import scaffold
 
     try:
         written = scaffold.create(args.name, args.dir, cuda=args.cuda, abi=args.abi)
@@ -363,7 +369,7 @@ def _new(args: argparse.Namespace) -> int:
 
 def _bench(argv: list[str]) -> int:
     try:
-        from opbuilder import bench
+        from opbuilder.tools import bench
     except ImportError as exc:
         _err(f"opbuilder bench is not available in this installation: {exc}")
         return USAGE_ERROR

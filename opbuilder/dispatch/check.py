@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from opbuilder import definitions, dispatch, implementations, trace
-from opbuilder.implementations import Implementation
+from opbuilder.dispatch import definitions, implementations, routes, trace
+from opbuilder.dispatch.implementations import Implementation
 
 STATUSES = ("PASSED", "INCORRECT_NUMERICAL", "INCORRECT_SHAPE", "INCORRECT_DTYPE", "COMPILE_ERROR", "RUNTIME_ERROR")
 
@@ -128,7 +128,7 @@ def save(op: str, rows: list[Row], kind: str) -> Any:
 
 def tune(op: str, device: str | torch.device = "cpu", budget_ms: float = 200.0) -> list[Row]:
     """``check``, then the median time of each implementation that passed, on each workload."""
-    from opbuilder.bench.timing import CpuTimer, CudaTimer
+    from opbuilder.dispatch.timing import CpuTimer, CudaTimer
 
     device = torch.device(device)
     rows = check(op, device)
@@ -144,7 +144,7 @@ def tune(op: str, device: str | torch.device = "cpu", budget_ms: float = 200.0) 
         impl = impls[row.implementation]
         # A built-in op's own path is timed as dispatch runs it: its public function, without the router.
         fn = implementations.public_function(op) if impl.in_body else impl.fn
-        with torch.no_grad(), dispatch.bypass(op):
+        with torch.no_grad(), routes.bypass(op):
             row.us = timer.measure(lambda i: fn(*inputs)).summary()["us"]
     return rows
 

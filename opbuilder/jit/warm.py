@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from opbuilder import build, cache, compile, prebuilt
-from opbuilder.builder import OpBuilder
-from opbuilder.registry import get_builder, names as builtin_names
+from opbuilder.jit import build, cache, compile, prebuilt
+from opbuilder.jit.builder import OpBuilder
+from opbuilder.jit.registry import get_builder, names as builtin_names
 
 
 def _ensure(builder: OpBuilder, spec: build.BuildSpec | None) -> str:
-    """What was done; a build prints its own lines (``opbuilder.build``), so it returns "built"."""
+    """What was done; a build prints its own lines (``opbuilder.jit.build``), so it returns "built"."""
     if spec is None:
-        return f"a prebuilt library fits this machine, nothing to build ({prebuilt.find(builder)[0]})"
+        return f"a prebuilt library fits this machine, nothing to build ({prebuilt.find(builder.prebuilt_wanted())[0]})"
     slot = cache.Slot(spec.op, spec.key)
     if cache.check_build(slot.path)[0] is not None:
         return f"already in the cache ({slot.path})"
@@ -38,7 +38,7 @@ def prepare_each(builders: list[OpBuilder], jobs: int | None = None) -> Iterator
     process building the same op is waited for rather than repeated.
     """
     # Keys are worked out here, once, not in the threads.
-    plans = [(b, None if prebuilt.find(b)[0] is not None else b.build_spec()) for b in builders]
+    plans = [(b, None if prebuilt.find(b.prebuilt_wanted())[0] is not None else b.build_spec()) for b in builders]
     if not plans:
         return
     pool = ThreadPoolExecutor(max_workers=jobs or len(plans))

@@ -3,7 +3,7 @@ reference (which ``torch.compile`` also compiles), how to call ours, the least o
 shapes timed by default, and any extra eager formulations worth showing beside them.
 
 The references take the op's own arguments with the op's defaults (``eps``, ``dim``), so the same function
-is the reference of the op's definition (``opbuilder.definitions``: checks and dispatch) and the bench's eager.
+is the reference of the op's definition (``opbuilder.dispatch.definitions``: checks and dispatch) and the bench's eager.
 
 Shapes are written ``AxB`` on the command line. Every op except the matmul takes ``ROWSxHIDDEN`` and works
 on the last dim. ``fused_matmul_add_relu`` takes ``BxMxKxN`` (batched, bias of the output's full shape

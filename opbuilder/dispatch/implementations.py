@@ -8,7 +8,7 @@ cannot run here (no compiler, a build error, no GPU for a Triton kernel).
 
 Registering a user's op with two versions::
 
-    from opbuilder import implementations as impls
+    from opbuilder.dispatch import implementations as impls
     impls.register("add_scale", impls.compiled("v1", AddScaleV1Builder()))
     impls.register("add_scale", impls.compiled("v2", AddScaleV2Builder()))
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opbuilder.builder import OpBuilder
+from opbuilder.jit.builder import OpBuilder
 
 
 @dataclass
@@ -157,7 +157,7 @@ def of(op: str) -> list[Implementation]:
 
 def public_function(op: str) -> Callable[..., Any]:
     """A built-in op's public function (``opbuilder.ops.<op>.<op>``)."""
-    from opbuilder.bench.specs import SPECS
+    from opbuilder.tools.bench.specs import SPECS
 
     spec = SPECS[op]
     return getattr(importlib.import_module(spec.module), spec.function)
@@ -167,7 +167,7 @@ _BUILTINS_ADDED: set[str] = set()
 
 
 def _builtin_added(op: str) -> bool:
-    from opbuilder.registry import BUILDERS
+    from opbuilder.jit.registry import BUILDERS
 
     return op not in BUILDERS or op in _BUILTINS_ADDED
 
@@ -175,15 +175,16 @@ def _builtin_added(op: str) -> bool:
 def _add_builtin(op: str) -> None:
     """A built-in op's implementations: our compiled op (the default), torch.compile of the reference,
     the reference. (No Triton kernel is shipped; register one with ``triton(...)``.)"""
-    from opbuilder import definitions, lazy
-    from opbuilder.registry import get_builder
+    from opbuilder.dispatch import definitions
+    from opbuilder.torchop import lazy
+    from opbuilder.jit.registry import get_builder
 
     _BUILTINS_ADDED.add(op)
     ref = definitions.get(op).reference
     public = public_function(op)
 
     def ours(*args: Any, **kwargs: Any) -> Any:
-        from opbuilder.dispatch import bypass
+        from opbuilder.dispatch.routes import bypass
 
         with bypass(op):
             return public(*args, **kwargs)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from opbuilder.bench.specs import LN_EPS, RMS_EPS, SPECS, Fn, Inputs
+from opbuilder.tools.bench.specs import LN_EPS, RMS_EPS, SPECS, Fn, Inputs
 
 #: The issue's measure: 16-element tensors (one row of 16 for the row-wise ops; 4x4 operands for the matmul).
 HOST_SHAPES: dict[str, tuple[int, ...]] = {
@@ -72,7 +72,7 @@ def _op(module: str, getter: str, *extra: object, first: bool = False) -> Regist
 
 
 def _nograd(overload: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """The op's overload without autograd (``<op>.nograd``, opbuilder/eager.py), where it has one."""
+    """The op's overload without autograd (``<op>.nograd``, opbuilder/torchop/eager.py), where it has one."""
     packet = overload._overloadpacket
     return getattr(packet, "nograd") if "nograd" in packet.overloads() else None
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from opbuilder.bench.specs import LN_EPS, RMS_EPS, Fn
+from opbuilder.tools.bench.specs import LN_EPS, RMS_EPS, Fn
 
 MODULE = "liger_kernel.transformers.functional"
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from opbuilder import cache
+from opbuilder.jit import cache
 
 _LOADED: dict[tuple[str, str], Any] = {}
 

@@ -222,7 +222,7 @@ def torch_openmp_runtime() -> str | None:
 
     if not torch.backends.openmp.is_available():
         return None
-    from opbuilder import elf
+    from opbuilder.jit import elf
 
     lib_dir = Path(torch.__file__).resolve().parent / "lib"
     for name in ("libtorch_cpu.so", "libtorch.so"):
@@ -239,7 +239,7 @@ def torch_openmp_runtime() -> str | None:
 
 
 def _write_memo(memo_path: Path, memo: dict) -> None:
-    from opbuilder import cache  # the cache module owns how files are written under the root
+    from opbuilder.jit import cache  # the cache module owns how files are written under the root
 
     try:
         cache.write_text_atomic(memo_path, json.dumps(memo, indent=1, sort_keys=True))

@@ -2,7 +2,7 @@
 
 Every ninja that opbuilder starts may run as many jobs as the machine has cores, and each job goes
 through this script, which takes one of N slot files (``OPB_SLOTS=<folder>:<N>``, set by
-``opbuilder.compile`` for ninja) with ``flock`` and then becomes the compiler. The lock belongs to the
+``opbuilder.jit.compile`` for ninja) with ``flock`` and then becomes the compiler. The lock belongs to the
 open file, which the compiler inherits, so it is released when the compiler ends, also when it is
 killed. So the ops building at once (``build --all``, ``prepare()``, the ranks of a node sharing one
 cache) share the cores: no more than N compilers run, and a build with more files to compile takes

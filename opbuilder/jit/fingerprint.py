@@ -81,7 +81,7 @@ def discovered_files(op: str) -> list[str]:
     """Headers that an earlier build of ``op`` read although no include path predicted them
     (``#include MACRO``, CPATH, a header beside a symbolic link's target): their contents join the key.
 
-    Kept in ``<cache root>/<op>/discovered.json`` by ``opbuilder.compile``; one small read, or none.
+    Kept in ``<cache root>/<op>/discovered.json`` by ``opbuilder.jit.compile``; one small read, or none.
     """
     from opbuilder import env
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from opbuilder import check, implementations, registry, trace
+from opbuilder.dispatch import check, implementations, trace
+from opbuilder.jit import registry
 
 
 def _where(device: str, dtype: torch.dtype, bucket: tuple[int, bool]) -> str:

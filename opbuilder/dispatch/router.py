@@ -13,7 +13,7 @@ None where our compiled op is the choice (the function's body goes on to call it
 implementation's result elsewhere.
 
 User ops: ``apply(name)`` on the reference function (FlashInfer-Bench's decorator), after the op's
-definition and implementations are registered (``opbuilder.definitions``, ``opbuilder.implementations``).
+definition and implementations are registered (``opbuilder.dispatch.definitions``, ``opbuilder.dispatch.implementations``).
 
 Under ``torch.compile``: ``resolve`` is marked as having a constant result, so Dynamo runs it once while
 tracing (the build, the file reads) and traces the router's table lookup and the chosen function.
@@ -21,16 +21,16 @@ tracing (the build, the file reads) and traces the router's table lookup and the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from opbuilder import env
+from opbuilder.dispatch.routes import ROUTES
 from opbuilder.errors import FallbackWarning
-from opbuilder.registry import BUILDERS
+from opbuilder.jit.registry import BUILDERS
 
 
 #: The name of ``apply``'s decorated function among the choices.
@@ -75,7 +75,7 @@ class Router:
 
 
 def _first_tensor(args: tuple) -> Any:
-    from opbuilder.trace import first_tensor
+    from opbuilder.dispatch.trace import first_tensor
 
     return first_tensor(args)
 
@@ -93,8 +93,7 @@ def _flat(where: tuple) -> tuple:
 
 _LOCK = threading.RLock()
 
-#: Built-in op -> its router, while the op is routed (or not yet resolved). The public functions read it.
-ROUTES: dict[str, Router] = {name: Router(name) for name in BUILDERS}
+ROUTES.update({name: Router(name) for name in BUILDERS})
 _ROUTERS: dict[str, Router] = dict(ROUTES)
 
 
@@ -126,7 +125,7 @@ def resolve(op: str) -> bool:
 
 
 def _resolve(op: str) -> bool:
-    from opbuilder import implementations, trace
+    from opbuilder.dispatch import implementations, trace
 
     r = _ROUTERS[op]
     if r.table is not None:
@@ -214,17 +213,6 @@ def reset(op: str | None = None) -> None:
             ROUTES[name] = r
 
 
-@contextlib.contextmanager
-def bypass(op: str) -> Iterator[None]:
-    """Calls of the built-in ``op`` inside go straight to our compiled op (check and tune time it so)."""
-    r = ROUTES.pop(op, None)
-    try:
-        yield
-    finally:
-        if r is not None:
-            ROUTES[op] = r
-
-
 def apply(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``@apply("name")`` on the op's reference function: calls go to the implementation chosen for them,
     and to the decorated function when none can run. On a built-in op's name, the decorated function is
@@ -233,7 +221,7 @@ def apply(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         if op in BUILDERS:
-            from opbuilder.implementations import public_function
+            from opbuilder.dispatch.implementations import public_function
 
             public = public_function(op)
 

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opbuilder import cache, env, fingerprint, toolchain
+from opbuilder import env
+from opbuilder.jit import cache, fingerprint, toolchain
 from opbuilder.errors import BuildError, CacheError
 
 GEN_DIR = "gen"
@@ -113,7 +114,7 @@ def _cores() -> int:
 def _slots() -> int:
     """How many compilers may run at once on this machine, over all the builds sharing the cache:
     OPB_MAX_JOBS, else the cores this process may use. Each ninja may start that many jobs; the slot
-    files (``opbuilder._slot``) keep the total to it, so ops building at once share the cores."""
+    files (``opbuilder.jit._slot``) keep the total to it, so ops building at once share the cores."""
     explicit = env.max_jobs()
     return explicit if explicit is not None else _cores()
 
@@ -123,7 +124,7 @@ def _slot_prefix() -> str:
 
 
 def _compiler_command(compiler: str) -> str:
-    """The build file's command for ``compiler``: through the slot script (see ``opbuilder._slot``)."""
+    """The build file's command for ``compiler``: through the slot script (see ``opbuilder.jit._slot``)."""
     return _slot_prefix() + shlex.quote(compiler)
 
 

@@ -17,7 +17,8 @@ import keyword
 import re
 from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "templates" / "op"
+from opbuilder.paths import TEMPLATE_DIR
+
 CUDA_FILE_SUFFIXES = (".cu", ".cuh")
 #: The binding styles ``opbuilder new --abi`` writes; the first is the default.
 ABIS = ("stable", "classic")

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from opbuilder.bench.liger import adapter as liger_adapter
-from opbuilder.bench.specs import Fn, Inputs, OpSpec, Shape, dtype_name, format_shape
-from opbuilder.bench.timing import Step, Timer, Timing
+from opbuilder.tools.bench.liger import adapter as liger_adapter
+from opbuilder.tools.bench.specs import Fn, Inputs, OpSpec, Shape, dtype_name, format_shape
+from opbuilder.dispatch.timing import Step, Timer, Timing
 
 FORWARD, BACKWARD = "fwd", "fwd+bwd"
 
@@ -29,7 +29,7 @@ MAX_SETS = 256
 #: (half read, half written). Small cases do not reach the big copy's bandwidth, and neither does this copy;
 #: it is a reference, not a bound (a kernel with less launch overhead can beat it at a few MB).
 SAME_BYTES_COPY = "copy, same bytes"
-#: Liger-Kernel's row, where it is installed and has the op (opbuilder/bench/liger.py).
+#: Liger-Kernel's row, where it is installed and has the op (opbuilder/tools/bench/liger.py).
 LIGER = "liger"
 
 
@@ -78,7 +78,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 class CaseRunner:
     def __init__(self, timer: Timer, copy_GBps: float, seed: int = 0, liger: object | None = None) -> None:
-        """``liger``: Liger-Kernel's functional module (``opbuilder.bench.liger.load``), or None for no Liger rows."""
+        """``liger``: Liger-Kernel's functional module (``opbuilder.tools.bench.liger.load``), or None for no Liger rows."""
         self.timer = timer
         self.device = timer.device
         self.copy_GBps = copy_GBps

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opbuilder.bench.host import table as _host_rows_table
-from opbuilder.bench.specs import SPECS
+from opbuilder.tools.bench.host import table as _host_rows_table
+from opbuilder.tools.bench.specs import SPECS
 
 COLUMNS = ("op", "shape", "dtype", "pass", "impl", "time (us)", "GB/s", "TFLOP/s", "of copy", "vs eager", "vs compile", "note")
 
@@ -179,7 +179,7 @@ def write_markdown(result: dict, path: Path) -> None:
         f"- Timing: {settings['timing']}",
         "- `vs X` = time of X / time of the row: above 1, the row is faster than X. `ours` is opbuilder; `eager` the "
         "PyTorch reference; `compile` the same function under `torch.compile` (default mode); `liger` Liger-Kernel's "
-        "op (opbuilder/bench/liger.py: fused add+RMSNorm, LayerNorm after torch.relu, softmax); other names are "
+        "op (opbuilder/tools/bench/liger.py: fused add+RMSNorm, LayerNorm after torch.relu, softmax); other names are "
         "extra eager formulations (forward only); `copy, same bytes` copies as many bytes as the op's model "
         "counts, from rotated sources like the op's inputs: what moving that many bytes takes at that size.",
         "",

@@ -2,7 +2,7 @@
 
 try the cache -> take the lock -> try again -> build into a temporary folder -> publish with an
 atomic rename -> load. The compile runs from this process through ninja, on the build file
-torch.utils.cpp_extension writes (``opbuilder.compile``): no interpreter starts, nothing is loaded
+torch.utils.cpp_extension writes (``opbuilder.jit.compile``): no interpreter starts, nothing is loaded
 before this process loads the published library, and an edit recompiles only what it touched.
 """
 
@@ -13,16 +13,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opbuilder import cache, compile as ninja_build, env, loader
-from opbuilder.compile import SourcesChanged
+from opbuilder import env
+from opbuilder.jit import cache, compile as ninja_build, loader
+from opbuilder.jit.compile import SourcesChanged
+from opbuilder.jit.log import say
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout
 
 __all__ = ["BuildSpec", "SourcesChanged", "build_and_load", "ensure_built", "say"]
@@ -48,16 +48,6 @@ class BuildSpec:
     project_files: list[str] = field(default_factory=list)  # sources and the headers they include
     digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
-
-
-_SAY_LOCK = threading.Lock()
-
-
-def say(message: str) -> None:
-    """One whole line on stderr: lines of builds running at once never mix."""
-    with _SAY_LOCK:
-        sys.stderr.write(f"opbuilder: {message}\n")
-        sys.stderr.flush()
 
 
 def build_and_load(spec: BuildSpec) -> Any:

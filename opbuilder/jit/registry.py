@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from opbuilder.builder import OpBuilder
 from opbuilder.errors import UnknownOpError
+from opbuilder.jit.builder import OpBuilder
 
 #: op name -> "module:Builder class". Imported on lookup, so naming an op costs nothing.
 BUILDERS: dict[str, str] = {

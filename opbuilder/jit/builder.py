@@ -14,23 +14,16 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from opbuilder import env, fingerprint, loader, toolchain
+from opbuilder import env
 from opbuilder.errors import BuildError, IncompatibleOpError
+from opbuilder.jit import fingerprint, loader, prebuilt, toolchain
+from opbuilder.paths import INCLUDE_DIR
 
 if TYPE_CHECKING:
-    from opbuilder.build import BuildSpec
+    from opbuilder.jit.build import BuildSpec
 
 log = logging.getLogger("opbuilder")
 T = TypeVar("T")
-
-PACKAGE_DIR = Path(__file__).resolve().parent
-#: Public headers for every op: ``#include <opbuilder/library.h>``.
-INCLUDE_DIR = PACKAGE_DIR / "include"
-#: Sources of the built-in ops: inside the package when installed as a wheel, beside it in a checkout.
-KERNELS_DIR = next((p for p in (PACKAGE_DIR / "kernels", PACKAGE_DIR.parent / "kernels") if p.is_dir()), PACKAGE_DIR / "kernels")
-
-#: Built-in ops compiled at install time (see ``opbuilder.prebuilt``).
-PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 
 CUDA_SUFFIXES = (".cu",)
 
@@ -259,7 +252,7 @@ class OpBuilder:
             "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in cxx_args) else None,
         }
         # Headers the compiler read last time that no include path predicts (``#include MACRO``, CPATH):
-        # their contents are part of the key too (see ``opbuilder.compile``).
+        # their contents are part of the key too (see ``opbuilder.jit.compile``).
         extra = fingerprint.discovered_files(self.name)
         if extra:
             inputs["discovered"] = fingerprint.digest_files([Path(p) for p in extra], [])
@@ -274,7 +267,7 @@ class OpBuilder:
         return f"opb_{self.name}_{self.key[:12]}"
 
     def build_spec(self) -> BuildSpec:
-        from opbuilder import build
+        from opbuilder.jit import build
 
         inputs = self.key_inputs()
         with_cuda = bool(inputs["nvcc_args"])
@@ -307,14 +300,13 @@ class OpBuilder:
         the extension module for ``PYBIND11_MODULE`` builds.
 
         A built-in op compiled at install time is used when it was built for this process
-        (``opbuilder.prebuilt``); its namespace is then the prebuilt one, not ``self.namespace``.
+        (``opbuilder.jit.prebuilt``); its namespace is then the prebuilt one, not ``self.namespace``.
 
         Raises IncompatibleOpError, BuildError, CacheLockTimeout or CacheError, each saying why.
         """
-        if (PREBUILT_DIR / self.name).is_dir():  # the stat keeps the warm path free of the prebuilt module
-            from opbuilder import prebuilt
-
-            handle = prebuilt.load(self)
+        wanted = self.prebuilt_wanted()
+        if wanted is not None:
+            handle = prebuilt.load(wanted)
             if handle is not None:
                 return handle
         handle, _ = loader.load_cached(self.name, self.key)
@@ -325,7 +317,7 @@ class OpBuilder:
             raise IncompatibleOpError(f"op {self.name!r} cannot be built here: " + "; ".join(reasons))
         if verbose:
             self.is_compatible(verbose=True)
-        from opbuilder import build
+        from opbuilder.jit import build
 
         return self.with_current_key(lambda spec: build.build_and_load(spec))
 
@@ -333,7 +325,7 @@ class OpBuilder:
         """``action(self.build_spec())``, again with a new key when the build finds that the files
         changed after the key was computed (saved during the build) or that the compiler read headers
         the key did not cover. Raises what ``action`` raises."""
-        from opbuilder import build
+        from opbuilder.jit import build
 
         for attempt in range(3):
             try:
@@ -346,19 +338,46 @@ class OpBuilder:
                 self.refresh()
         raise AssertionError("unreachable")
 
+    # ---- install-time builds (``opbuilder.jit.prebuild``, ``opbuilder.jit.prebuilt``) -------------
+
+    def prebuilt_dir(self) -> Path | None:
+        """Where an install-time build of this op would be; None: this op is never prebuilt (only the
+        built-in ops' own builders are, ``opbuilder.builders.base.BuiltinBuilder``)."""
+        return None
+
+    def prebuilt_requirements(self) -> dict[str, Any]:
+        """What a prebuilt library of this op must have been built with to run in this process."""
+        return prebuilt.requirements(
+            op=self.name, version=self.VERSION, python_module=self.is_python_module(), stable=self.abi() == "stable",
+            files=self.file_digests(with_cuda=True), cxx_args=self.final_cxx_args(), nvcc_args=self.final_nvcc_args(),
+        )
+
+    def prebuilt_key(self) -> str:
+        """The key of an install-time build of this op here: names its library and its namespace."""
+        archs = self.cuda_archs() if self.with_cuda() else []
+        return fingerprint.cache_key({"prebuilt": self.prebuilt_requirements(), "cuda_archs": archs})
+
+    def prebuilt_wanted(self) -> prebuilt.Wanted | None:
+        """What an install-time build must match to serve this process; None when there is none to look
+        at (a stat: the warm path of an op that is not prebuilt computes nothing more)."""
+        folder = self.prebuilt_dir()
+        if folder is None or not folder.is_dir():
+            return None
+        with_cuda = self.with_cuda()
+        return prebuilt.Wanted(op=self.name, folder=folder, requires=self.prebuilt_requirements(),
+                               with_cuda=with_cuda, cuda_archs=tuple(self.cuda_archs()) if with_cuda else ())
+
     def builder(self) -> Any:
         """A setuptools extension that compiles this op at install time, into
-        ``opbuilder/_prebuilt/<op>/`` (see ``opbuilder.prebuilt``).
+        ``opbuilder/_prebuilt/<op>/`` (see ``opbuilder.jit.prebuild``).
 
         Portable: no ``-march``. Named by the prebuilt key, which hashes what the library must match
         at load, so its namespace never collides with a JIT build's.
         """
         from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-        from opbuilder import prebuilt
-
         with_cuda = self.with_cuda()
-        key = prebuilt.prebuilt_key(self)
+        key = self.prebuilt_key()
         ns_flag = f"-DOPB_NAMESPACE=opb_{self.name}_{key[:12]}"
         kwargs: dict[str, Any] = {
             "name": f"opbuilder._prebuilt.{self.name}.{self.name}_{key[:12]}",

@@ -1,10 +1,10 @@
 """Definitions: what an op computes, declared once -- its inputs (symbolic axes and dtypes), its outputs,
 a PyTorch reference and a few named workloads -- so that every implementation of it can be checked
-against the same reference on the same shapes (``opbuilder.check``) and chosen at run time
-(``opbuilder.dispatch``).
+against the same reference on the same shapes (``opbuilder.dispatch.check``) and chosen at run time
+(``opbuilder.dispatch.router``).
 
 The five built-in ops' definitions are made from what the benchmark already declares
-(``opbuilder.bench.specs``: the reference, how to make inputs for a shape, the shapes it times), so the
+(``opbuilder.tools.bench.specs``: the reference, how to make inputs for a shape, the shapes it times), so the
 shapes and the references live in one place.
 """
 
@@ -140,7 +140,7 @@ def register(definition: Definition) -> Definition:
 def get(name: str) -> Definition:
     """The definition of an op; an unknown name raises UnknownOpError listing the known ones."""
     if name not in _DEFINITIONS:
-        from opbuilder.registry import BUILDERS
+        from opbuilder.jit.registry import BUILDERS
 
         if name not in BUILDERS:
             known = sorted(set(_DEFINITIONS) | set(BUILDERS))
@@ -175,7 +175,7 @@ _SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, TensorSpec], dict[str, T
 
 
 def _builtin(name: str) -> Definition:
-    from opbuilder.bench.specs import SPECS, format_shape
+    from opbuilder.tools.bench.specs import SPECS, format_shape
 
     spec = SPECS[name]
     axes, inputs, outputs = _SIGNATURES[name]

@@ -1,0 +1,1 @@
+"""Several implementations per op: definitions, implementations, the router, traces, check and tune."""

@@ -1,0 +1,1 @@
+"""Commands standing on the runtime (cli, report, scaffold, demo, bench); the runtime never imports them."""
