@@ -1,5 +1,5 @@
 """Two-block models from opbuilder's layers and their twins from PyTorch's layers, with the sharding plans
-tests/dist_dtensor.py checks and benchmarks/multi_gpu.py times.
+tests/helpers/dist_dtensor.py checks and benchmarks/multi_gpu.py times.
 
 ``Model``: RMSNorm, Softmax, FusedAddRMSNorm, ReLU and a FusedReLULayerNorm head, with plain linears that
 tensor parallelism can split (``sequence_parallel``). ``FFNModel``: the same blocks and FusedLinearReLU, for

@@ -33,3 +33,9 @@ class IncompatibleOpError(OpBuilderError):
 class FallbackWarning(RuntimeWarning):
     """An op's implementation cannot be built or loaded here; its calls go to the next one (the message says
     which and why). ``OPB_FALLBACK=0`` makes this an error."""
+
+
+class SourcesChanged(Exception):
+    """The files a key was computed from changed before the compiler read them, or the compiler read
+    headers that the key did not cover: the build sequence computes the key again and builds that
+    (``opbuilder.jit.build``); a user sees it only as a BuildError when the files keep changing."""

@@ -1,12 +1,42 @@
-"""Where opbuilder's own files are: the package, its public headers, the built-in ops' sources, the
-install-time builds, the templates of ``opbuilder new``.
+"""Every path opbuilder uses: its own files in the package, and every entry inside the cache.
 
-Nothing here touches the disk or imports torch.
+The package::
+
+    opbuilder/include/                  public headers for every op: #include <opbuilder/library.h>
+    kernels/                            the built-in ops' sources (inside the package when installed as a wheel)
+    opbuilder/_prebuilt/<op>/           a built-in op compiled at install time (opbuilder.jit.prebuild)
+    opbuilder/templates/op/             the skeleton `opbuilder new` writes
+
+The cache, under ``root()`` (``OPB_CACHE_DIR``, see ``opbuilder.env.cache_root``)::
+
+    <op>/<key>/                          a published build: the library, manifest.json, build.log
+    <op>/<key>.lock                      the build lock of that key (an OS lock: it dies with its holder)
+    <op>/<key>.failed.json               the last failed build of that key: its error ...
+    <op>/<key>.failed.log                ... and the compiler's whole output
+    <op>/.tmp-<key>-<pid>-*/             a build in progress (or a replaced one on its way out); never loaded,
+                                         removed when its builder is gone
+    <op>/discovered.json                 headers an earlier build read that no include path predicted (part of the key)
+    .work/<op>-<hash>/                   one op's objects for one set of flags and compilers, kept across keys:
+        src/                             the sources as the build compiled them (a snapshot)
+        gen/                             generated translation units (the namespace)
+        .building                        present while a build compiles there (objects may be half-written)
+    .work/<op>-<hash>.lock               the lock of that work folder
+    .slots/                              one flock'ed file per compile slot (the machine's cores)
+    compilers.json                       each compiler's --version, asked once per binary
+    traces/<op>/<key>.json               opbuilder tune's timings, which dispatch follows
+    traces/<op>/<key>.check.json         opbuilder check's statuses
+
+Nothing here touches the disk or imports torch; the cache's own rules (modes, trust, atomic writes) are
+``opbuilder.jit.cache``'s.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from opbuilder import env
+
+# ---- the package ------------------------------------------------------------------------------------
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 #: Public headers for every op: ``#include <opbuilder/library.h>``.
@@ -17,3 +47,70 @@ KERNELS_DIR = next((p for p in (PACKAGE_DIR / "kernels", PACKAGE_DIR.parent / "k
 PREBUILT_DIR = PACKAGE_DIR / "_prebuilt"
 #: The skeleton ``opbuilder new`` writes.
 TEMPLATE_DIR = PACKAGE_DIR / "templates" / "op"
+
+# ---- the cache --------------------------------------------------------------------------------------
+
+#: Inside a build folder (and a prebuilt op's folder): its record, and the compiler's output.
+MANIFEST = "manifest.json"
+LOG = "build.log"
+#: The prefix of a build in progress, inside ``op_dir``.
+TMP_PREFIX = ".tmp-"
+#: Inside a work folder.
+WORK_SOURCES, WORK_GENERATED, WORK_BUILDING = "src", "gen", ".building"
+
+
+def root() -> Path:
+    return env.cache_root()
+
+
+def op_dir(op: str) -> Path:
+    return root() / op
+
+
+def build_dir(op: str, key: str) -> Path:
+    return op_dir(op) / key
+
+
+def lock(op: str, key: str) -> Path:
+    return op_dir(op) / f"{key}.lock"
+
+
+def failure(op: str, key: str) -> Path:
+    return op_dir(op) / f"{key}.failed.json"
+
+
+def failure_log(op: str, key: str) -> Path:
+    return op_dir(op) / f"{key}.failed.log"
+
+
+def discovered(op: str) -> Path:
+    return op_dir(op) / "discovered.json"
+
+
+def work_root() -> Path:
+    return root() / ".work"
+
+
+def work_dir(op: str, digest: str) -> Path:
+    return work_root() / f"{op}-{digest}"
+
+
+def work_lock(work: Path) -> Path:
+    return Path(f"{work}.lock")
+
+
+def slots_dir() -> Path:
+    return root() / ".slots"
+
+
+def compilers() -> Path:
+    return root() / "compilers.json"
+
+
+def traces(op: str) -> Path:
+    return root() / "traces" / op
+
+
+def trace(op: str, key: str, kind: str = "tune") -> Path:
+    """A trace file: ``kind`` "tune" (timings) or "check" (statuses)."""
+    return traces(op) / (f"{key}.json" if kind == "tune" else f"{key}.{kind}.json")

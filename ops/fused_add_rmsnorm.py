@@ -26,14 +26,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from opbuilder.ops._checks import check_float, check_same
-from opbuilder.torchop import sharding
-from opbuilder.torchop import eager
+from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, randn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.ops._checks import check_float, check_same
+from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
 
+#: The default eps (the Llama models').
+EPS = 1e-6
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 
@@ -168,7 +171,7 @@ def _check_input_and_weight(op: str, input: object, weight: object) -> None:
 
 
 def fused_add_rmsnorm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, residual_out)`` with ``residual_out = input + residual`` (in their dtype) and
     ``out = residual_out * rsqrt(mean(residual_out^2, -1) + eps) * weight`` (fp32 accumulation).
@@ -200,7 +203,7 @@ def fused_add_rmsnorm(
     return fused_add_rmsnorm_op()(*args)
 
 
-def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """``input * rsqrt(mean(input^2, -1) + eps) * weight`` (fp32 accumulation), like
     ``F.rms_norm(input, (hidden,), weight, eps)``. input: [..., hidden]; weight: [hidden], same dtype."""
     if eager.direct():
@@ -258,7 +261,7 @@ def _norm_in_float32(x: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 class _NormLayer(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, hidden_size: int, eps: float = EPS, device=None, dtype=None) -> None:
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"{type(self).__name__}: hidden_size must be a positive int, got {hidden_size!r}")
@@ -294,3 +297,75 @@ class RMSNorm(_NormLayer):
             return rms_norm(x.float(), self.weight.float(), self.eps)
         weight = self.weight.to(x.dtype) if x.is_floating_point() else self.weight
         return rms_norm(x, weight, self.eps)
+
+
+# ---- the record: what the checks, dispatch, the benchmark and the tests know of this op ----------------
+
+def reference(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+              eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's meaning: ``residual_out = input + residual`` in their dtype, then the norm of it in float32
+    (float64 for float64 inputs), rounded once to the input's dtype."""
+    h = input + residual
+    hf = h.double() if h.dtype == torch.float64 else h.float()
+    out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(hf.dtype)
+    return out.to(input.dtype), h
+
+
+def _native(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in the input's dtype throughout (FlashInfer-Bench's reference): fewer casts, less exact."""
+    h = input + residual
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight, h
+
+
+def _unfused(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a model without this op runs: the add, then ``F.rms_norm``."""
+    h = input + residual
+    return F.rms_norm(h, (h.shape[-1],), weight, EPS), h
+
+
+def _extras(shape: Shape) -> dict:
+    extras = {"eager, input-dtype math": _native}
+    if hasattr(F, "rms_norm"):
+        extras["add, F.rms_norm"] = _unfused
+    return extras
+
+
+def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
+    # input, residual: [rows, hidden]; weight: [hidden]
+    return [randn(shape, dtype, device, gen), randn(shape, dtype, device, gen), randn(shape[-1:], dtype, device, gen)]
+
+
+def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    n, hidden = math.prod(shape), shape[-1]
+    return Cost(bytes=((8 * n + 3 * hidden) if with_backward else (4 * n + hidden)) * elem)
+
+
+_ROWS = ("rows", "hidden")
+_BF16 = torch.bfloat16
+
+RECORD = Record(
+    name="fused_add_rmsnorm",
+    function=fused_add_rmsnorm,
+    axes=_ROWS,
+    inputs={"input": TensorSpec(_ROWS), "residual": TensorSpec(_ROWS), "weight": TensorSpec(("hidden",))},
+    outputs={"out": TensorSpec(_ROWS), "residual_out": TensorSpec(_ROWS)},
+    reference=reference,
+    make_inputs=_inputs,
+    reduction=lambda shape: shape[-1],
+    workloads=Workloads(cpu=(((4096, 4096), torch.float32),),
+                        cuda=(((32768, 4096), _BF16), ((4096, 4096), _BF16), ((128, 4096), _BF16)),
+                        cuda_backward=(((32768, 4096), _BF16),), host=(1, 16)),
+    bench=Bench(
+        ranks=(2,),
+        shape_help="ROWSxHIDDEN (2 dims)",
+        call_ours=lambda f: lambda input, residual, weight: f(input, residual, weight, EPS),
+        cost=_cost,
+        cost_model="read input, residual, weight; write out, residual_out: (4 x rows x hidden + hidden) x bytes",
+        cost_model_backward=(
+            "forward 4; backward reads grad_out, grad_residual_out, residual_out, writes one grad for input and "
+            "residual (they are equal): (8 x rows x hidden + 3 x hidden) x bytes"
+        ),
+        extras=_extras,
+    ),
+    host=Host("x + r, F.rms_norm", _unfused, 1.0, op="fused_add_rmsnorm_op", extra=(EPS,)),
+)

@@ -16,10 +16,10 @@ import math
 import torch
 from torch import nn
 
-from opbuilder.ops._checks import check_float, check_same
-from opbuilder.torchop import sharding
-from opbuilder.torchop import eager
+from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workload, Workloads, randn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.ops._checks import check_float, check_same
+from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 _OP = "fused_matmul_add_relu"
@@ -242,3 +242,65 @@ class FusedLinearReLU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+# ---- the record: what the checks, dispatch, the benchmark and the tests know of this op ----------------
+
+def reference(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.relu(lhs @ rhs if bias is None else lhs @ rhs + bias)
+
+
+def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
+    # BxMxKxN: lhs [B, M, K], rhs [B, K, N], bias [B, M, N].  MxKxN: lhs [M, K], rhs [K, N], bias [N].
+    # lhs is scaled by 1/sqrt(K) so that the product and the bias are of one size and ReLU cuts about half.
+    if len(shape) == 4:
+        b, m, k, n = shape
+        lhs_shape, rhs_shape, bias_shape = (b, m, k), (b, k, n), (b, m, n)
+    else:
+        m, k, n = shape
+        lhs_shape, rhs_shape, bias_shape = (m, k), (k, n), (n,)
+    return [randn(lhs_shape, dtype, device, gen, scale=k**-0.5), randn(rhs_shape, dtype, device, gen),
+            randn(bias_shape, dtype, device, gen)]
+
+
+def _extras(shape: Shape) -> dict:
+    extras = {"matmul alone": lambda lhs, rhs, bias: lhs @ rhs}
+    if len(shape) == 4:
+        extras["baddbmm+relu_"] = lambda lhs, rhs, bias: torch.baddbmm(bias, lhs, rhs).relu_()
+    else:
+        extras["_addmm_activation"] = lambda lhs, rhs, bias: torch._addmm_activation(bias, lhs, rhs)
+    return extras
+
+
+def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    b, m, k, n = shape if len(shape) == 4 else (1, *shape)
+    return Cost(flops=(6 if with_backward else 2) * b * m * k * n)
+
+
+_BF16 = torch.bfloat16
+
+RECORD = Record(
+    name=_OP,
+    function=fused_matmul_add_relu,
+    axes=("M", "K", "N"),
+    inputs={"lhs": TensorSpec(("...", "M", "K")), "rhs": TensorSpec(("...", "K", "N")), "bias": TensorSpec(("...", "N"))},
+    outputs={"y": TensorSpec(("...", "M", "N"))},
+    reference=reference,
+    make_inputs=_inputs,
+    reduction=lambda shape: shape[-2],  # K
+    edges=(Workload("one row", (1, 64, 48), edge=True), Workload("odd widths", (7, 111, 13), edge=True),
+           Workload("empty", (0, 64, 48), edge=True)),
+    workloads=Workloads(cpu=(((1, 4096, 4096, 4096), torch.float32),),
+                        cuda=(((1, 4096, 4096, 4096), _BF16), ((8, 2048, 2048, 2048), _BF16), ((4096, 4096, 4096), _BF16)),
+                        cuda_backward=(((1, 4096, 4096, 4096), _BF16),), host=(4, 4, 4)),
+    bench=Bench(
+        ranks=(3, 4),
+        shape_help="BxMxKxN (batched, full-shape bias [B, M, N]) or MxKxN (2-D, vector bias [N])",
+        call_ours=lambda f: f,
+        cost=_cost,
+        cost_model="FLOPs 2 x B x M x N x K (the add and ReLU are not counted)",
+        cost_model_backward="FLOPs 6 x B x M x N x K (forward, grad_lhs, grad_rhs)",
+        extras=_extras,
+    ),
+    host=Host("torch.relu(a @ b + c)", lambda a, b, c: torch.relu(a @ b + c), 1.0, op="fused_matmul_add_relu_op"),
+)

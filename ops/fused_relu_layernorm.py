@@ -3,18 +3,22 @@ CPU and CUDA, with a fused C++ backward, autograd and torch.compile support."""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from opbuilder.ops._checks import check_float, check_same, check_tensor
-from opbuilder.torchop import sharding
-from opbuilder.torchop import eager
+from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, rows_hidden
 from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.ops._checks import check_float, check_same, check_tensor
+from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 _OP = "fused_relu_layernorm"
+#: The default eps, torch.nn.LayerNorm's.
+EPS = 1e-5
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _AUTOCAST = torch._C._is_any_autocast_enabled
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
@@ -124,7 +128,7 @@ def _autocast(x: torch.Tensor, weight, bias):
 
 
 def fused_relu_layernorm(
-    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = EPS
 ) -> torch.Tensor:
     """``layer_norm(relu(x), [hidden], weight, bias, eps)`` over x's last dim (hidden).
 
@@ -185,7 +189,7 @@ class FusedReLULayerNorm(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        eps: float = 1e-5,
+        eps: float = EPS,
         elementwise_affine: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -214,3 +218,48 @@ class FusedReLULayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+# ---- the record: what the checks, dispatch, the benchmark and the tests know of this op ----------------
+
+def reference(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              eps: float = EPS) -> torch.Tensor:
+    return F.layer_norm(F.relu(x), (x.shape[-1],), weight, bias, eps)
+
+
+def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    n, hidden = math.prod(shape), shape[-1]
+    return Cost(bytes=((5 * n + 5 * hidden) if with_backward else (2 * n + 2 * hidden)) * elem)
+
+
+def _unfused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(torch.relu(x), (x.shape[-1],), weight, bias, EPS)
+
+
+_ROWS = ("rows", "hidden")
+_BF16 = torch.bfloat16
+
+RECORD = Record(
+    name=_OP,
+    function=fused_relu_layernorm,
+    axes=_ROWS,
+    inputs={"x": TensorSpec(_ROWS), "weight": TensorSpec(("hidden",)), "bias": TensorSpec(("hidden",))},
+    outputs={"y": TensorSpec(_ROWS)},
+    reference=reference,
+    make_inputs=rows_hidden(params=2),
+    reduction=lambda shape: shape[-1],
+    workloads=Workloads(cpu=(((4096, 4096), torch.float32),), cuda=(((32768, 4096), _BF16), ((4096, 768), _BF16)),
+                        cuda_backward=(((32768, 4096), _BF16),), host=(1, 16)),
+    bench=Bench(
+        ranks=(2,),
+        shape_help="ROWSxHIDDEN (2 dims)",
+        call_ours=lambda f: lambda x, weight, bias: f(x, weight, bias, EPS),
+        cost=_cost,
+        cost_model="read x, weight, bias; write y: (2 x rows x hidden + 2 x hidden) x bytes",
+        cost_model_backward=(
+            "forward 2; backward reads grad_y, x, weight, writes grad_x, grad_weight, grad_bias: "
+            "(5 x rows x hidden + 5 x hidden) x bytes"
+        ),
+    ),
+    host=Host("F.layer_norm(torch.relu(x))", _unfused, 1.0, op="fused_relu_layernorm_op", extra=(EPS,), first=True),
+)

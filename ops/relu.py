@@ -6,13 +6,15 @@ where y <= 0: all the backward needs), and the backward reads those bits instead
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from opbuilder.ops._checks import FLOAT_DTYPES, check_float
-from opbuilder.torchop import sharding
-from opbuilder.torchop import eager
+from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, rows_hidden
 from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.ops._checks import FLOAT_DTYPES, check_float
+from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 
@@ -23,22 +25,15 @@ def mask_words(numel: int, dtype: torch.dtype) -> int:
 
 
 def _register(ns: str) -> None:
+    # The .nograd overloads are the forwards without an autograd formula, for calls that record no gradient
+    # (opbuilder.torchop.eager; relu_mask.nograd is the forward of relu_mask's Function): the same fakes.
+    @torch.library.register_fake(f"{ns}::relu.nograd")
     @torch.library.register_fake(f"{ns}::relu")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    # relu.nograd: relu without an autograd formula, for calls that record no gradient (opbuilder.torchop.eager).
-    @torch.library.register_fake(f"{ns}::relu.nograd")
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-    @torch.library.register_fake(f"{ns}::relu_mask")
-    def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
-
-    # relu_mask without an autograd formula: the forward of relu_mask's Function (opbuilder.torchop.eager).
     @torch.library.register_fake(f"{ns}::relu_mask.nograd")
+    @torch.library.register_fake(f"{ns}::relu_mask")
     def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
@@ -147,3 +142,41 @@ class ReLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return relu(x)
+
+
+# ---- the record: what the checks, dispatch, the benchmark and the tests know of this op ----------------
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x)
+
+
+def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    n = math.prod(shape)
+    return Cost(bytes=4 * n * elem + (n + 3) // 4 if with_backward else 2 * n * elem)
+
+
+_ROWS = ("rows", "hidden")
+
+RECORD = Record(
+    name="relu",
+    function=relu,
+    axes=_ROWS,
+    inputs={"x": TensorSpec(_ROWS)},
+    outputs={"y": TensorSpec(_ROWS)},
+    reference=reference,
+    make_inputs=rows_hidden(params=0),
+    workloads=Workloads(cpu=(((4096, 4096), torch.float32),), cuda=(((32768, 8192), torch.float32),),
+                        cuda_backward=(((32768, 8192), torch.float32),), host=(16,)),
+    bench=Bench(
+        ranks=(1, 2, 3, 4),
+        shape_help="any shape, e.g. ROWSxCOLS",
+        call_ours=lambda f: f,
+        cost=_cost,
+        cost_model="read x, write y: 2 x numel x bytes",
+        cost_model_backward=(
+            "forward reads x, writes y and 1 bit per element (the sign, all the backward needs); backward reads "
+            "grad_y and the bits, writes grad_x: 4 x numel x bytes + numel / 4"
+        ),
+    ),
+    host=Host("torch.relu", torch.relu, 2.5, op="relu_op", grad_op="relu_mask_op", grad_first=True),
+)

@@ -11,15 +11,16 @@ in torch's) is 0. Under CUDA autocast the op runs in float32, as torch.softmax d
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 from torch import nn
 
-from opbuilder.ops._checks import FLOAT_DTYPES, check_float
-from opbuilder.torchop import sharding
-from opbuilder.torchop import eager
+from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, rows_hidden
 from opbuilder.dispatch.router import ROUTES as _ROUTES
+from opbuilder.ops._checks import FLOAT_DTYPES, check_float
+from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 _OP = "softmax"
@@ -28,13 +29,10 @@ _OP = "softmax"
 def _register(ns: str) -> None:
     ops = getattr(torch.ops, ns)
 
-    @torch.library.register_fake(f"{ns}::forward")
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
     # forward.nograd: the forward without an autograd formula, for calls that record no gradient
-    # (opbuilder.torchop.eager).
+    # (opbuilder.torchop.eager): the same fake.
     @torch.library.register_fake(f"{ns}::forward.nograd")
+    @torch.library.register_fake(f"{ns}::forward")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -155,3 +153,43 @@ class Softmax(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+# ---- the record: what the checks, dispatch, the benchmark and the tests know of this op ----------------
+
+def reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(x, dim)
+
+
+def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    return Cost(bytes=(5 if with_backward else 2) * math.prod(shape) * elem)
+
+
+_ROWS = ("rows", "hidden")
+_F32, _BF16 = torch.float32, torch.bfloat16
+
+RECORD = Record(
+    name=_OP,
+    function=softmax,
+    axes=_ROWS,
+    inputs={"x": TensorSpec(_ROWS)},
+    outputs={"y": TensorSpec(_ROWS)},
+    reference=reference,
+    make_inputs=rows_hidden(params=0),
+    reduction=lambda shape: shape[-1],
+    workloads=Workloads(
+        cpu=(((4096, 4096), _F32),),
+        cuda=(((4096, 4096), _F32), ((4096, 4096), _BF16), ((16384, 32768), _F32), ((16384, 32768), _BF16)),
+        cuda_backward=(((32768, 4096), _BF16),),
+        host=(1, 16),
+    ),
+    bench=Bench(
+        ranks=(2,),
+        shape_help="ROWSxHIDDEN (2 dims)",
+        call_ours=lambda f: lambda x: f(x, dim=-1),
+        cost=_cost,
+        cost_model="read x, write y: 2 x rows x hidden x bytes",
+        cost_model_backward="forward 2; backward reads grad_y and y, writes grad_x: 5 x rows x hidden x bytes",
+    ),
+    host=Host("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, op="forward_op"),
+)

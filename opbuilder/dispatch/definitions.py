@@ -3,9 +3,8 @@ a PyTorch reference and a few named workloads -- so that every implementation of
 against the same reference on the same shapes (``opbuilder.dispatch.check``) and chosen at run time
 (``opbuilder.dispatch.router``).
 
-The five built-in ops' definitions are made from what the benchmark already declares
-(``opbuilder.tools.bench.specs``: the reference, how to make inputs for a shape, the shapes it times), so the
-shapes and the references live in one place.
+The built-in ops' definitions come from their records (``opbuilder.dispatch.record``: one beside each op's
+public function in ``opbuilder/ops/<op>.py``), which the benchmark and the tests read too.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opbuilder.errors import UnknownOpError
+from opbuilder.jit import registry
 
 #: (rtol, atol) against a float64 evaluation of the reference, for outputs of an implementation that
 #: accumulates in float32 from inputs of this dtype. The tests use the same table.
@@ -93,6 +93,8 @@ class Definition:
     edges: tuple[Workload, ...] | None = None
     make_inputs: MakeInputs | None = None
     reduction: Callable[[Shape], int] = field(default=lambda shape: 1)
+    #: (rtol, atol) per input dtype, before the reduction's widening.
+    tolerances: dict[torch.dtype, tuple[float, float]] = field(default_factory=lambda: dict(TOLERANCES))
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -123,7 +125,7 @@ class Definition:
         return list(self.make_inputs(workload.shape, workload.dtype, device, gen))
 
     def tolerance(self, shape: Shape, dtype: torch.dtype) -> tuple[float, float]:
-        rtol, atol = TOLERANCES[dtype]
+        rtol, atol = self.tolerances[dtype]
         scale = max(1.0, math.sqrt(max(self.reduction(shape), 1)) / 8)
         return rtol * scale, atol * scale
 
@@ -140,61 +142,8 @@ def register(definition: Definition) -> Definition:
 def get(name: str) -> Definition:
     """The definition of an op; an unknown name raises UnknownOpError listing the known ones."""
     if name not in _DEFINITIONS:
-        from opbuilder.jit.registry import BUILDERS
-
-        if name not in BUILDERS:
-            known = sorted(set(_DEFINITIONS) | set(BUILDERS))
+        if name not in registry.BUILDERS:
+            known = sorted(set(_DEFINITIONS) | set(registry.BUILDERS))
             raise UnknownOpError(f"no op definition named {name!r}; known: {', '.join(known)}")
-        _DEFINITIONS[name] = _builtin(name)
+        _DEFINITIONS[name] = registry.record(name).definition()
     return _DEFINITIONS[name]
-
-
-# ---- the built-in ops, from the benchmark's specs --------------------------------------------------
-
-_ROWS = ("rows", "hidden")
-_F = TensorSpec
-#: What the bench's specs do not say: the names and axes of each op's tensors. (Shapes, dtypes, the
-#: reference and the input maker come from the spec.)
-_SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, TensorSpec], dict[str, TensorSpec]]] = {
-    "relu": (_ROWS, {"x": _F(("rows", "hidden"))}, {"y": _F(("rows", "hidden"))}),
-    "fused_add_rmsnorm": (
-        _ROWS,
-        {"input": _F(_ROWS), "residual": _F(_ROWS), "weight": _F(("hidden",))},
-        {"out": _F(_ROWS), "residual_out": _F(_ROWS)},
-    ),
-    "fused_relu_layernorm": (
-        _ROWS, {"x": _F(_ROWS), "weight": _F(("hidden",)), "bias": _F(("hidden",))}, {"y": _F(_ROWS)},
-    ),
-    "softmax": (_ROWS, {"x": _F(_ROWS)}, {"y": _F(_ROWS)}),
-    "fused_matmul_add_relu": (
-        ("M", "K", "N"),
-        {"lhs": _F(("...", "M", "K")), "rhs": _F(("...", "K", "N")), "bias": _F(("...", "N"))},
-        {"y": _F(("...", "M", "N"))},
-    ),
-}
-
-
-def _builtin(name: str) -> Definition:
-    from opbuilder.tools.bench.specs import SPECS, format_shape
-
-    spec = SPECS[name]
-    axes, inputs, outputs = _SIGNATURES[name]
-    workloads = tuple(
-        Workload(format_shape(shape), shape, dtype, device)
-        for device, cases in (("cpu", spec.cpu_cases), ("cuda", spec.cuda_cases))
-        for shape, dtype in cases
-    )
-    if name == "fused_matmul_add_relu":
-        edges = (
-            Workload("one row", (1, 64, 48), edge=True),
-            Workload("odd widths", (7, 111, 13), edge=True),
-            Workload("empty", (0, 64, 48), edge=True),
-        )
-        reduction = lambda shape: shape[-2]  # noqa: E731  K
-    else:
-        edges = edge_workloads(axes, 1024)
-        reduction = (lambda shape: 1) if name == "relu" else (lambda shape: shape[-1])
-    return Definition(
-        name=name, axes=axes, inputs=inputs, outputs=outputs, reference=spec.eager, workloads=workloads,
-        edges=edges, make_inputs=spec.make_inputs, reduction=reduction,
-    )

@@ -16,13 +16,14 @@ Registering a user's op with two versions::
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opbuilder.dispatch.routes import bypass
+from opbuilder.jit import registry
 from opbuilder.jit.builder import OpBuilder
 
 
@@ -156,20 +157,15 @@ def of(op: str) -> list[Implementation]:
 
 
 def public_function(op: str) -> Callable[..., Any]:
-    """A built-in op's public function (``opbuilder.ops.<op>.<op>``)."""
-    from opbuilder.tools.bench.specs import SPECS
-
-    spec = SPECS[op]
-    return getattr(importlib.import_module(spec.module), spec.function)
+    """A built-in op's public function (``opbuilder.ops.<op>.<op>``, named in its record)."""
+    return registry.record(op).function
 
 
 _BUILTINS_ADDED: set[str] = set()
 
 
 def _builtin_added(op: str) -> bool:
-    from opbuilder.jit.registry import BUILDERS
-
-    return op not in BUILDERS or op in _BUILTINS_ADDED
+    return op not in registry.BUILDERS or op in _BUILTINS_ADDED
 
 
 def _add_builtin(op: str) -> None:
@@ -177,20 +173,17 @@ def _add_builtin(op: str) -> None:
     the reference. (No Triton kernel is shipped; register one with ``triton(...)``.)"""
     from opbuilder.dispatch import definitions
     from opbuilder.torchop import lazy
-    from opbuilder.jit.registry import get_builder
 
     _BUILTINS_ADDED.add(op)
     ref = definitions.get(op).reference
     public = public_function(op)
 
     def ours(*args: Any, **kwargs: Any) -> Any:
-        from opbuilder.dispatch.routes import bypass
-
         with bypass(op):
             return public(*args, **kwargs)
 
     builtin = {
-        "compiled": Implementation("compiled", "compiled", ours, lambda: get_builder(op).key,
+        "compiled": Implementation("compiled", "compiled", ours, lambda: registry.get_builder(op).key,
                                    lambda: lazy.namespace_of(op) and None, in_body=True),
         "torch.compile": torch_compiled(ref),
         "reference": reference(ref),

@@ -161,8 +161,10 @@ def _resolve(op: str) -> bool:
             raise next(iter(failed.values()))
         raise RuntimeError(f"{op}: no implementation is registered")
     default_name, default = first
-    data = trace.read(op, trace.key({n: i.key for n, i in impls.items()})) if impls else None
-    checked = trace.read(op, trace.key({n: i.key for n, i in impls.items()}), "check") if impls else None
+    data = checked = None
+    if impls and trace.any_for(op):  # no traces of the op: no implementation's key is worked out
+        trace_key = trace.key({n: i.key for n, i in impls.items()})
+        data, checked = trace.read(op, trace_key), trace.read(op, trace_key, "check")
     picks: dict[Any, str] = {}
     for where, name in (trace.choices(data) if data else {}).items():
         if name in impls and usable(name):

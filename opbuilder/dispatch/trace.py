@@ -1,7 +1,7 @@
 """The small JSON records ``opbuilder check`` and ``opbuilder tune`` leave in the cache, and what dispatch
 reads from them.
 
-``<cache root>/traces/<op>/<key>.json`` (tune: statuses and times) and ``<key>.check.json`` (check:
+``<cache root>/traces/<op>/<key>.json`` (``opbuilder.paths.trace``) (tune: statuses and times) and ``<key>.check.json`` (check:
 statuses). The key hashes torch's and CUDA's versions and every implementation's key, so editing a
 kernel, adding an implementation or upgrading torch starts a new trace; rows carry their device's name,
 so one file holds the runs of several devices. A shape bucket is what ``bucket()`` makes of the call's
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from opbuilder import env
+from opbuilder import paths
 
 Bucket = tuple[int, bool]
 
@@ -58,8 +58,12 @@ def key(implementation_keys: dict[str, str]) -> str:
 
 
 def path(op: str, trace_key: str, kind: str = "tune") -> Path:
-    suffix = ".json" if kind == "tune" else f".{kind}.json"
-    return env.cache_root() / "traces" / op / f"{trace_key}{suffix}"
+    return paths.trace(op, trace_key, kind)
+
+
+def any_for(op: str) -> bool:
+    """Whether check or tune ever left a trace of ``op`` in this cache (one stat)."""
+    return paths.traces(op).is_dir()
 
 
 def read(op: str, trace_key: str, kind: str = "tune") -> dict[str, Any] | None:

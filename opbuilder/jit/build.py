@@ -1,9 +1,19 @@
-"""The one sequence that builds and loads an op.
+"""The one sequence that builds and loads an op, ``build_and_load(spec)``:
 
-try the cache -> take the lock -> try again -> build into a temporary folder -> publish with an
-atomic rename -> load. The compile runs from this process through ninja, on the build file
-torch.utils.cpp_extension writes (``opbuilder.jit.compile``): no interpreter starts, nothing is loaded
-before this process loads the published library, and an edit recompiles only what it touched.
+    prebuilt -> cache -> compatibility -> lock -> re-check -> build -> publish -> load
+
+1. an install-time build that fits this process (``opbuilder.jit.prebuilt``);
+2. a good build of the key in the cache: loaded without a lock (the warm path);
+3. otherwise the op must be buildable here (``IncompatibleOpError`` says why not);
+4. take the key's lock (another process may be building it: wait, up to ``OPB_LOCK_TIMEOUT``);
+5. look again: what we waited for may be there now (or its error, which is raised);
+6. build into a temporary folder: the compile runs from this process through ninja, on the build file
+   torch.utils.cpp_extension writes (``opbuilder.jit.compile``); an edit recompiles only what it touched;
+7. publish with one atomic rename;
+8. load the library that was checked.
+
+``OpBuilder.load()`` and ``opbuilder.prepare()`` (which stops before step 8) run it; the install-time
+build compiles the same spec (``extension``). The cache is looked at twice: before the lock and under it.
 """
 
 from __future__ import annotations
@@ -16,21 +26,21 @@ import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from opbuilder import env
-from opbuilder.jit import cache, compile as ninja_build, loader
-from opbuilder.jit.compile import SourcesChanged
+from opbuilder import env, paths
+from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, SourcesChanged
+from opbuilder.jit import cache, loader, prebuilt
 from opbuilder.jit.log import say
-from opbuilder.errors import BuildError, CacheError, CacheLockTimeout
 
-__all__ = ["BuildSpec", "SourcesChanged", "build_and_load", "ensure_built", "say"]
+__all__ = ["BuildSpec", "Built", "Ready", "SourcesChanged", "build_and_load", "ensure_built", "extension", "say"]
 
 
 @dataclass
 class BuildSpec:
-    """Everything one build needs; produced by ``OpBuilder`` and not changed afterwards."""
+    """Everything one build needs; produced by ``OpBuilder.build_spec()`` and not changed afterwards."""
 
     op: str
     key: str
@@ -48,30 +58,101 @@ class BuildSpec:
     project_files: list[str] = field(default_factory=list)  # sources and the headers they include
     digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
+    #: an install-time build to try first (built-in ops only)
+    prebuilt: prebuilt.Wanted | None = None
+    #: why the op cannot be built here (empty when it can); asked only when the cache has no build
+    incompatible: Callable[[], list[str]] = field(default=lambda: [], repr=False)
+    #: the spec again from the files as they are now (they changed during the build); None: not possible
+    rekey: Callable[[], BuildSpec] | None = field(default=None, repr=False)
 
 
-def build_and_load(spec: BuildSpec) -> Any:
-    """Return the loaded op, building it first when the cache has no good build of its key.
+@dataclass(frozen=True)
+class Ready:
+    """What ``build_and_load(spec, load=False)`` found or did: ``how`` is "prebuilt", "cached" or "built"."""
 
-    Raises CacheError when the cache folder is unusable or unsafe, CacheLockTimeout when another
-    process holds the key's lock past OPB_LOCK_TIMEOUT, BuildError when the compile fails (here or in
-    the process we waited for).
+    how: str
+    path: Path
+
+
+def build_and_load(spec: BuildSpec, load: bool = True) -> Any:
+    """The loaded op (``load=False``: a ``Ready`` saying where a loadable library is), building it first
+    when neither an install-time build nor the cache has one.
+
+    Raises IncompatibleOpError when it cannot be built here, CacheError when the cache folder is unusable
+    or unsafe, CacheLockTimeout when another process holds the key's lock past OPB_LOCK_TIMEOUT,
+    BuildError when the compile fails (here or in the process we waited for) or when the sources kept
+    changing while it was built.
     """
-    handle, unloadable = loader.load_cached(spec.op, spec.key)
-    if handle is not None:
-        return handle
-    build_dir = ensure_built(spec, reject_build_id=unloadable)
-    artifact, manifest, why = cache.check_build(build_dir)
-    if artifact is None or manifest is None:
-        # Removed between our lock's release and this look (`opbuilder clean`): build it once more.
-        build_dir = ensure_built(spec)
-        artifact, manifest, why = cache.check_build(build_dir)
-    if artifact is None or manifest is None:
-        raise BuildError(f"opbuilder: the build of {spec.op} in {build_dir} is unusable: {why}")
+    for attempt in range(3):
+        try:
+            return _sequence(spec, load)
+        except SourcesChanged as changed:
+            if spec.rekey is None or attempt == 2:
+                raise BuildError(f"opbuilder: the sources of {spec.op!r} kept changing while it was built "
+                                 f"({changed}); nothing was published") from None
+            say(f"{spec.op}: {changed}; keying it again")
+            spec = spec.rekey()
+    raise AssertionError("unreachable")
+
+
+def _sequence(spec: BuildSpec, load: bool) -> Any:
+    # 1. prebuilt
+    if spec.prebuilt is not None:
+        if load:
+            handle = prebuilt.load(spec.prebuilt)
+            if handle is not None:
+                return handle
+        else:
+            artifact = prebuilt.find(spec.prebuilt)[0]
+            if artifact is not None:
+                return Ready("prebuilt", artifact)
+    # 2. cache
+    slot = cache.Slot(spec.op, spec.key)
+    unloadable = None
+    if load:
+        handle, unloadable = loader.load_cached(spec.op, spec.key)
+        if handle is not None:
+            return handle
+    elif cache.check_build(slot.path)[0] is not None:
+        return Ready("cached", slot.path)
+    # 3. compatibility
+    reasons = spec.incompatible()
+    if reasons:
+        raise IncompatibleOpError(f"op {spec.op!r} cannot be built here: " + "; ".join(reasons))
+    # 4.-7. lock, re-check, build, publish
+    built = ensure_built(spec, reject_build_id=unloadable)
+    if not load:
+        return Ready("built", built.path)
+    # 8. load
     try:
-        return loader.load_artifact(spec.op, spec.key, artifact, manifest)
+        return loader.load_artifact(spec.op, spec.key, built.artifact, built.manifest)
     except (OSError, ImportError) as exc:
-        raise BuildError(_load_failure(spec, artifact, exc)) from exc
+        if built.artifact.exists():
+            raise BuildError(_load_failure(spec, built.artifact, exc)) from exc
+    # Removed between our lock's release and the load (`opbuilder clean`): build it once more.
+    built = ensure_built(spec)
+    try:
+        return loader.load_artifact(spec.op, spec.key, built.artifact, built.manifest)
+    except (OSError, ImportError) as exc:
+        raise BuildError(_load_failure(spec, built.artifact, exc)) from exc
+
+
+def extension(spec: BuildSpec, key: str) -> Any:
+    """A setuptools extension compiling ``spec`` at install time (``opbuilder.jit.prebuild``): portable (no
+    ``-march``), named and namespaced by ``key``, the prebuilt key, so it never collides with a JIT build."""
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    ns_flag = f"-DOPB_NAMESPACE=opb_{spec.op}_{key[:12]}"
+    kwargs: dict[str, Any] = {
+        "name": f"opbuilder._prebuilt.{spec.op}.{spec.op}_{key[:12]}",
+        "sources": list(spec.sources),
+        "include_dirs": list(spec.include_paths),
+        "extra_link_args": list(spec.ldflags),
+    }
+    cxx = [a for a in spec.cxx_args if not a.startswith("-march=")] + [ns_flag]
+    if spec.with_cuda:
+        return CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": spec.nvcc_args + [ns_flag]})
+    return CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
 
 
 _UNDEFINED = re.compile(r"undefined symbol: (\S+)")
@@ -108,16 +189,27 @@ def _demangle(symbol: str) -> str:
     return out.stdout.strip() or symbol
 
 
-def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
-    """The folder of a good build of ``spec``'s key, building it under the key's lock if needed.
+@dataclass(frozen=True)
+class Built:
+    """A good build of a key: its folder, its library and its manifest (as checked)."""
+
+    path: Path
+    artifact: Path
+    manifest: dict
+
+
+def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Built:
+    """Steps 4 to 7: a good build of ``spec``'s key, built under the key's lock unless one is there
+    once the lock is ours.
 
     ``reject_build_id`` names a build found not to load: it is rebuilt unless another process
     already replaced it. Raises as ``build_and_load`` does.
     """
-    slot = cache.Slot(spec.op, spec.key)
-    if _good_build(slot, reject_build_id):
-        return slot.path
     from filelock import FileLock, Timeout
+
+    from opbuilder.jit import compile  # the compiler's side: not imported on the warm path
+
+    slot = cache.Slot(spec.op, spec.key)
 
     cache.ensure_dir(slot.op_dir)
     cache.check_trusted(slot)
@@ -134,15 +226,16 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
             if not waited:
                 say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
                 waited = True
-            ninja_build.raise_if_cancelled()  # Ctrl-C while waiting: stop now
+            compile.raise_if_cancelled()  # Ctrl-C while waiting: stop now
             if time.time() >= deadline:
                 raise CacheLockTimeout(
                     f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for the build lock {slot.lock_path} "
                     f"of op {spec.op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
                 ) from None
     try:
-        if _good_build(slot, reject_build_id):
-            return slot.path
+        good = _good_build(slot, reject_build_id)
+        if good is not None:
+            return good
         failure = cache.read_failure(slot)
         if waited and failure is not None and float(failure.get("time", 0)) >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
@@ -151,32 +244,34 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
         lock.release()
 
 
-def _good_build(slot: cache.Slot, reject_build_id: str | None) -> bool:
+def _good_build(slot: cache.Slot, reject_build_id: str | None) -> Built | None:
     artifact, manifest, _why = cache.check_build(slot.path)
     if artifact is None or manifest is None:
-        return False
+        return None
     if reject_build_id is not None and str(manifest.get("build_id")) == reject_build_id:
-        return False
+        return None
     cache.check_trusted(slot, artifact)
-    return True
+    return Built(slot.path, artifact, manifest)
 
 
-def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
+def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
     from filelock import FileLock
+
+    from opbuilder.jit import compile
 
     cache.remove_stray_tmp_dirs(slot)
     targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
     say(f"building {spec.op} ({targets}): {spec.reason or _reason(spec, slot)}")
     started = time.time()
-    work = ninja_build.work_dir(spec.op, spec.inputs)
+    work = compile.work_dir(spec.op, spec.inputs)
     tmp_dir = slot.new_tmp_dir()
     try:
-        with FileLock(str(work) + ".lock", mode=cache.lock_mode()):
+        with FileLock(str(paths.work_lock(work)), mode=cache.lock_mode()):
             try:
-                result = ninja_build.build(spec, say)
+                result = compile.build(spec, say)
             except OSError as exc:  # the snapshot or the work folder could not be written
                 raise cache.cache_error(work, exc) from exc
-            except ninja_build.CompileFailed as failed:
+            except compile.CompileFailed as failed:
                 log_text = failed.args[0]
                 full = _DISK_FULL.search(log_text)
                 if full:
@@ -216,7 +311,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
                 raise CacheError(cache.full_message(slot.op_dir, os.strerror(exc.errno))) from exc
             raise
         say(f"built {spec.op} in {seconds:.1f} s ({len(result.compiled)} of {result.total} files compiled)")
-        return published
+        return Built(published, published / artifact.name, manifest)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 

@@ -11,19 +11,16 @@ import os
 import sys
 from functools import cached_property
 from pathlib import Path
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from opbuilder import env
-from opbuilder.errors import BuildError, IncompatibleOpError
-from opbuilder.jit import fingerprint, loader, prebuilt, toolchain
+from opbuilder.jit import fingerprint, prebuilt, toolchain
 from opbuilder.paths import INCLUDE_DIR
 
 if TYPE_CHECKING:
     from opbuilder.jit.build import BuildSpec
 
 log = logging.getLogger("opbuilder")
-T = TypeVar("T")
 
 CUDA_SUFFIXES = (".cu",)
 
@@ -35,6 +32,12 @@ _CLASSIC_MARKERS = (b"torch/extension.h", b"torch/library.h", b"<ATen/", b"<c10/
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
+
+
+def default_build_var(name: str) -> str:
+    """``OPB_BUILD_<NAME>``: the variable that prebuilds an op at install time, unless its builder names
+    another (``BUILD_VAR``)."""
+    return f"OPB_BUILD_{name.upper()}"
 
 
 class OpBuilder:
@@ -63,7 +66,7 @@ class OpBuilder:
         if not self.name:
             raise ValueError(f"{type(self).__name__}: set NAME (the op's name) or pass name=")
         if self.BUILD_VAR is None:
-            self.BUILD_VAR = f"OPB_BUILD_{self.name.upper()}"
+            self.BUILD_VAR = default_build_var(self.name)
 
     # ---- what a subclass declares ------------------------------------------------------------
 
@@ -130,8 +133,18 @@ class OpBuilder:
 
     def file_digests(self, with_cuda: bool = True) -> dict[str, str]:
         """sha256 of each source a build compiles and of every project header they include."""
-        files = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs())
-        return fingerprint.digest_files(files, [self.source_root(), INCLUDE_DIR])
+        return fingerprint.digest_files(self._project_files(with_cuda), [self.source_root(), INCLUDE_DIR])
+
+    def _project_files(self, with_cuda: bool) -> list[Path]:
+        """The sources a build compiles and the project headers they include, found once per builder object."""
+        found = self._project_files_of
+        if with_cuda not in found:
+            found[with_cuda] = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs())
+        return found[with_cuda]
+
+    @cached_property
+    def _project_files_of(self) -> dict[bool, list[Path]]:
+        return {}
 
     def cuda_skip_reason(self) -> str | None:
         """Why the CUDA sources will not be built here, or None when they will be."""
@@ -266,18 +279,30 @@ class OpBuilder:
     def namespace(self) -> str:
         return f"opb_{self.name}_{self.key[:12]}"
 
-    def build_spec(self) -> BuildSpec:
+    def build_spec(self, verbose: bool = False) -> BuildSpec:
+        """What ``opbuilder.jit.build`` builds and loads for this op (``verbose``: log why the op cannot
+        be built here, or builds only its CPU part, before building)."""
         from opbuilder.jit import build
 
         inputs = self.key_inputs()
         with_cuda = bool(inputs["nvcc_args"])
         sources = self.built_sources(with_cuda)
+
+        def incompatible() -> list[str]:
+            if verbose:
+                self.is_compatible(verbose=True)
+            return self.incompatibility_reasons()
+
+        def rekey() -> BuildSpec:
+            self.refresh()
+            return self.build_spec(verbose)
+
         return build.BuildSpec(
             op=self.name,
             key=self.key,
             name=self.name,
             namespace=self.namespace,
-            python_module=self.is_python_module(),
+            python_module=inputs["python_module"],
             sources=[str(p) for p in sources],
             include_paths=[str(p) for p in self._include_dirs()],
             cxx_args=inputs["cxx_args"],
@@ -286,57 +311,31 @@ class OpBuilder:
             with_cuda=with_cuda,
             archs=self.cuda_archs() if with_cuda else [],
             inputs=inputs,
-            project_files=[str(p) for p in fingerprint.project_files(sources, self._include_dirs())],
+            project_files=[str(p) for p in self._project_files(with_cuda)],
             digest_roots=[str(self.source_root()), str(INCLUDE_DIR)],
+            prebuilt=self.prebuilt_wanted(),
+            incompatible=incompatible,
+            rekey=rekey,
         )
 
     def refresh(self) -> None:
         """Forget the key worked out so far: the next ``key`` reads the files again."""
-        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi"):
+        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi", "_project_files_of"):
             self.__dict__.pop(name, None)
 
     def load(self, verbose: bool = False) -> Any:
         """The op, compiled on first use: a ``torch.ops`` namespace for ``TORCH_LIBRARY`` builds,
-        the extension module for ``PYBIND11_MODULE`` builds.
+        the extension module for ``PYBIND11_MODULE`` builds. Runs ``opbuilder.jit.build.build_and_load``
+        on ``build_spec()``.
 
         A built-in op compiled at install time is used when it was built for this process
         (``opbuilder.jit.prebuilt``); its namespace is then the prebuilt one, not ``self.namespace``.
 
         Raises IncompatibleOpError, BuildError, CacheLockTimeout or CacheError, each saying why.
         """
-        wanted = self.prebuilt_wanted()
-        if wanted is not None:
-            handle = prebuilt.load(wanted)
-            if handle is not None:
-                return handle
-        handle, _ = loader.load_cached(self.name, self.key)
-        if handle is not None:
-            return handle
-        reasons = self.incompatibility_reasons()
-        if reasons:
-            raise IncompatibleOpError(f"op {self.name!r} cannot be built here: " + "; ".join(reasons))
-        if verbose:
-            self.is_compatible(verbose=True)
         from opbuilder.jit import build
 
-        return self.with_current_key(lambda spec: build.build_and_load(spec))
-
-    def with_current_key(self, action: Callable[[BuildSpec], T]) -> T:
-        """``action(self.build_spec())``, again with a new key when the build finds that the files
-        changed after the key was computed (saved during the build) or that the compiler read headers
-        the key did not cover. Raises what ``action`` raises."""
-        from opbuilder.jit import build
-
-        for attempt in range(3):
-            try:
-                return action(self.build_spec())
-            except build.SourcesChanged as changed:
-                if attempt == 2:
-                    raise BuildError(f"opbuilder: the sources of {self.name!r} kept changing while it was built "
-                                     f"({changed}); nothing was published") from None
-                build.say(f"{self.name}: {changed}; keying it again")
-                self.refresh()
-        raise AssertionError("unreachable")
+        return build.build_and_load(self.build_spec(verbose))
 
     # ---- install-time builds (``opbuilder.jit.prebuild``, ``opbuilder.jit.prebuilt``) -------------
 
@@ -368,24 +367,10 @@ class OpBuilder:
                                with_cuda=with_cuda, cuda_archs=tuple(self.cuda_archs()) if with_cuda else ())
 
     def builder(self) -> Any:
-        """A setuptools extension that compiles this op at install time, into
-        ``opbuilder/_prebuilt/<op>/`` (see ``opbuilder.jit.prebuild``).
+        """A setuptools extension that compiles this op's build spec at install time, into
+        ``opbuilder/_prebuilt/<op>/`` (see ``opbuilder.jit.prebuild``): portable (no ``-march``), named by
+        the prebuilt key, which hashes what the library must match at load, so its namespace never
+        collides with a JIT build's."""
+        from opbuilder.jit import build
 
-        Portable: no ``-march``. Named by the prebuilt key, which hashes what the library must match
-        at load, so its namespace never collides with a JIT build's.
-        """
-        from torch.utils.cpp_extension import CppExtension, CUDAExtension
-
-        with_cuda = self.with_cuda()
-        key = self.prebuilt_key()
-        ns_flag = f"-DOPB_NAMESPACE=opb_{self.name}_{key[:12]}"
-        kwargs: dict[str, Any] = {
-            "name": f"opbuilder._prebuilt.{self.name}.{self.name}_{key[:12]}",
-            "sources": [str(p) for p in self.built_sources(with_cuda)],
-            "include_dirs": [str(p) for p in self._include_dirs()],
-            "extra_link_args": self.final_ldflags(),
-        }
-        cxx = [a for a in self.final_cxx_args() if not a.startswith("-march=")] + [ns_flag]
-        if with_cuda:
-            return CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": self.final_nvcc_args() + [ns_flag]})
-        return CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
+        return build.extension(self.build_spec(), self.prebuilt_key())

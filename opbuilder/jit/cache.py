@@ -1,11 +1,6 @@
 """The on-disk cache: where builds live, how they are published, how a good one is recognised.
 
-Layout under the root (``opbuilder.env.cache_root()``)::
-
-    <op>/<key>/              a published build: the library, manifest.json, build.log
-    <op>/<key>.lock          the build lock of that key (an OS lock: it dies with its holder)
-    <op>/<key>.failed.json   the last failed build of that key: its error and log
-    <op>/.tmp-<key>-*/       builds in progress; never loaded, removed when their builder is gone
+Where everything lies is ``opbuilder.paths`` (its docstring lists every entry of the cache).
 
 A build becomes visible only through one atomic rename of a complete folder, so a reader sees
 either nothing or a whole build with its manifest.
@@ -24,12 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from opbuilder import env
+from opbuilder import env, paths
 from opbuilder.errors import CacheError
+from opbuilder.paths import LOG, MANIFEST, TMP_PREFIX
 
-MANIFEST = "manifest.json"
-LOG = "build.log"
-TMP_PREFIX = ".tmp-"
+__all__ = ["LOG", "MANIFEST", "TMP_PREFIX", "Slot"]  # the entries' names, as the cache's users know them
 
 
 def ensure_dir(path: Path) -> Path:
@@ -266,19 +260,19 @@ class Slot:
 
     @property
     def op_dir(self) -> Path:
-        return env.cache_root() / self.op
+        return paths.op_dir(self.op)
 
     @property
     def path(self) -> Path:
-        return self.op_dir / self.key
+        return paths.build_dir(self.op, self.key)
 
     @property
     def lock_path(self) -> Path:
-        return self.op_dir / f"{self.key}.lock"
+        return paths.lock(self.op, self.key)
 
     @property
     def failure_path(self) -> Path:
-        return self.op_dir / f"{self.key}.failed.json"
+        return paths.failure(self.op, self.key)
 
     def new_tmp_dir(self) -> Path:
         ensure_dir(self.op_dir)
@@ -446,7 +440,7 @@ def retire(slot: Slot) -> None:
 
 
 def record_failure(slot: Slot, message: str, log_text: str) -> Path:
-    log_path = slot.op_dir / f"{slot.key}.failed.log"
+    log_path = paths.failure_log(slot.op, slot.key)
     write_text_atomic(log_path, log_text)
     record = {"time": time.time(), "pid": os.getpid(), "message": message, "log": str(log_path)}
     write_text_atomic(slot.failure_path, json.dumps(record, indent=1))

@@ -38,15 +38,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opbuilder import env
+from opbuilder import env, paths
 from opbuilder.jit import cache, fingerprint, toolchain
-from opbuilder.errors import BuildError, CacheError
+from opbuilder.errors import BuildError, CacheError, SourcesChanged
 
-GEN_DIR = "gen"
-SLOTS_DIR = ".slots"
 _SLOT_SCRIPT = str(Path(__file__).with_name("_slot.py"))
-SRC_DIR = "src"
-_MARKER = ".building"
 _NAMESPACE_TU = "opb_namespace.cpp"
 
 # Started with -I -S: no current folder, no PYTHONPATH, no site: nothing of the caller's is imported.
@@ -61,20 +57,12 @@ _LAUNCHER = (
 )
 
 
-class SourcesChanged(Exception):
-    """The files a key was computed from changed before the compiler read them, or the compiler read
-    headers that the key did not cover: the caller computes the key again and builds that."""
-
-
 @dataclass
 class Result:
     artifact: Path
     compiled: list[str]  # the translation units that were compiled (file names)
     total: int  # translation units in the build
     log: str
-
-
-WORK_ROOT = ".work"
 
 
 def work_dir(op: str, inputs: dict) -> Path:
@@ -85,16 +73,16 @@ def work_dir(op: str, inputs: dict) -> Path:
     if env.trust_shared_cache():  # objects are private to each user, even in a shared cache
         settings["uid"] = os.getuid()
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return env.cache_root() / WORK_ROOT / f"{op}-{digest}"
+    return paths.work_dir(op, digest)
 
 
 def snapshot_path(work: Path, original: str | Path) -> Path:
-    return work / SRC_DIR / os.path.normpath(os.path.abspath(original)).lstrip(os.sep)
+    return work / paths.WORK_SOURCES / os.path.normpath(os.path.abspath(original)).lstrip(os.sep)
 
 
 def original_text(work: Path, text: str) -> str:
     """Paths into the snapshot written back as the user's own paths (error messages, compile_commands)."""
-    return text.replace(str(work / SRC_DIR), "")
+    return text.replace(str(work / paths.WORK_SOURCES), "")
 
 
 # ---- cores shared between builds -------------------------------------------------------------------
@@ -203,7 +191,7 @@ def _snapshot(spec, work: Path) -> None:
         _write_if_changed(dest, data)
         wanted.add(dest)
     # A file that left the project must not be found by a later compile.
-    for dirpath, _dirs, files in os.walk(work / SRC_DIR):
+    for dirpath, _dirs, files in os.walk(work / paths.WORK_SOURCES):
         for file in files:
             path = Path(dirpath) / file
             if path not in wanted:
@@ -235,7 +223,7 @@ def _refuse_foreign(work: Path) -> None:
 def _clear_interrupted(work: Path) -> None:
     """A build that died mid-compile may have left truncated objects: remove every object written
     since it started, so that none of them is linked as if it were whole."""
-    marker = work / _MARKER
+    marker = work / paths.WORK_BUILDING
     try:
         since = marker.stat().st_mtime_ns
     except FileNotFoundError:
@@ -263,7 +251,7 @@ def write_ninja(spec, work: Path) -> Path:
     import torch
 
     _snapshot(spec, work)
-    gen = work / GEN_DIR
+    gen = work / paths.WORK_GENERATED
     _write_if_changed(gen / _NAMESPACE_TU, _namespace_source(spec.namespace))
     sources = [str(snapshot_path(work, s)) for s in spec.sources] + [str(gen / _NAMESPACE_TU)]
     includes = [str(snapshot_path(work, p)) for p in spec.include_paths]
@@ -339,16 +327,16 @@ def build(spec, say) -> Result:
     work = cache.ensure_dir(work_dir(spec.op, spec.inputs))
     _refuse_foreign(work)
     _clear_interrupted(work)
-    (work / _MARKER).write_text(str(os.getpid()))
+    (work / paths.WORK_BUILDING).write_text(str(os.getpid()))
     write_ninja(spec, work)
     code, log, compiled, total = _run_ninja(spec, work, say)
     if code < 0:
         raise BuildError(_killed_message(spec, -code, log))
     if code != 0:
         # ninja exited by itself: it removed what it had not finished, the objects left are whole.
-        (work / _MARKER).unlink()
+        (work / paths.WORK_BUILDING).unlink()
         raise CompileFailed(original_text(work, log))
-    (work / _MARKER).unlink()  # every object is whole: a re-key below must reuse them
+    (work / paths.WORK_BUILDING).unlink()  # every object is whole: a re-key below must reuse them
     _discover(spec, work)
     return Result(work / f"{spec.name}.so", compiled, total, original_text(work, log))
 
@@ -369,7 +357,7 @@ def _killed_message(spec, signum: int, log: str) -> str:
 def _run_ninja(spec, work: Path, say) -> tuple[int, str, list[str], int]:
     raise_if_cancelled()
     slots = _slots()
-    folder = env.cache_root() / SLOTS_DIR
+    folder = paths.slots_dir()
     with contextlib.suppress(OSError):
         folder.mkdir(exist_ok=True)
     cmd = [_ninja(), "-C", str(work), "-j", str(slots)] + (["-v"] if env.verbose() else [])
@@ -463,7 +451,7 @@ def _discover(spec, work: Path) -> None:
     keyed = set((spec.inputs.get("discovered") or {}))
     if found <= keyed:
         return
-    record = cache.Slot(spec.op, spec.key).op_dir / fingerprint.DISCOVERED
+    record = paths.discovered(spec.op)
     cache.write_text_atomic(record, json.dumps({"files": sorted(known | found)}, indent=1))
     raise SourcesChanged("it read headers outside its include paths: " + ", ".join(sorted(found - keyed)[:3]))
 

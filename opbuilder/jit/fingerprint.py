@@ -74,19 +74,16 @@ def digest_files(files: list[Path], roots: list[Path]) -> dict[str, str]:
     return out
 
 
-DISCOVERED = "discovered.json"
-
-
 def discovered_files(op: str) -> list[str]:
     """Headers that an earlier build of ``op`` read although no include path predicted them
     (``#include MACRO``, CPATH, a header beside a symbolic link's target): their contents join the key.
 
     Kept in ``<cache root>/<op>/discovered.json`` by ``opbuilder.jit.compile``; one small read, or none.
     """
-    from opbuilder import env
+    from opbuilder import paths
 
     try:
-        with open(env.cache_root() / op / DISCOVERED, encoding="utf-8") as fh:
+        with open(paths.discovered(op), encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError):
         return []

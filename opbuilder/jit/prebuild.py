@@ -16,7 +16,7 @@ from typing import Any
 
 from opbuilder import env
 from opbuilder.jit import cache, registry, toolchain
-from opbuilder.jit.builder import OpBuilder
+from opbuilder.jit.builder import OpBuilder, default_build_var
 from opbuilder.jit.log import say
 
 #: The ``setup.py`` commands that compile; other runs of ``setup.py`` (metadata) stay quiet.
@@ -29,9 +29,17 @@ class PrebuildError(RuntimeError):
 # ---- install time ------------------------------------------------------------------------------
 
 
+def _build_var(op: str) -> str:
+    """The variable that asks for (1) or excludes (0) one op's prebuild: its builder's ``BUILD_VAR``."""
+    try:
+        return registry.get_builder(op).BUILD_VAR
+    except Exception:  # a builder module that does not import: plan() reports it; its variable is the default
+        return default_build_var(op)
+
+
 def requested() -> tuple[bool, dict[str, bool]]:
-    """(OPB_BUILD_OPS, {op: OPB_BUILD_<OP>}) as set in the environment; needs no torch."""
-    by_var = {f"OPB_BUILD_{name.upper()}": name for name in registry.names()}
+    """(OPB_BUILD_OPS, {op: its builder's BUILD_VAR}) as set in the environment; needs no torch."""
+    by_var = {_build_var(name): name for name in registry.names()}
     unknown = [var for var in env.build_vars() if var not in by_var]
     if unknown:
         raise PrebuildError(
@@ -39,7 +47,8 @@ def requested() -> tuple[bool, dict[str, bool]]:
             + ", ".join(sorted(by_var))
             + " (and OPB_BUILD_OPS=1 for all)"
         )
-    return env.build_all_ops(), {by_var[var]: value for var, value in env.build_vars().items()}
+    chosen = {op: env.build_var(var) for var, op in by_var.items()}
+    return env.build_all_ops(), {op: value for op, value in chosen.items() if value is not None}
 
 
 def require_torch(wanted: str) -> None:

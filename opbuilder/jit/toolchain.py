@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from opbuilder import env
+from opbuilder import env, paths
 from opbuilder.errors import CacheError
 
 
@@ -77,7 +77,7 @@ def torch_cuda_version() -> str | None:
 
 
 def _version_memo_path() -> Path:
-    return env.cache_root() / "compilers.json"
+    return paths.compilers()
 
 
 def compiler_identity(path: str) -> dict[str, object]:

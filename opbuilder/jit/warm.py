@@ -10,24 +10,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from opbuilder.jit import build, cache, compile, prebuilt
+from opbuilder.jit import build, compile
 from opbuilder.jit.builder import OpBuilder
 from opbuilder.jit.registry import get_builder, names as builtin_names
 
 
-def _ensure(builder: OpBuilder, spec: build.BuildSpec | None) -> str:
-    """What was done; a build prints its own lines (``opbuilder.jit.build``), so it returns "built"."""
-    if spec is None:
-        return f"a prebuilt library fits this machine, nothing to build ({prebuilt.find(builder.prebuilt_wanted())[0]})"
-    slot = cache.Slot(spec.op, spec.key)
-    if cache.check_build(slot.path)[0] is not None:
-        return f"already in the cache ({slot.path})"
-    builder.with_current_key(build.ensure_built)
-    return BUILT
-
-
 #: What ``prepare_each`` yields for an op it compiled (the build itself printed its lines).
 BUILT = "built"
+
+
+def _ensure(spec: build.BuildSpec) -> str:
+    """What was done; a build prints its own lines (``opbuilder.jit.build``), so it returns "built"."""
+    ready = build.build_and_load(spec, load=False)
+    if ready.how == "prebuilt":
+        return f"a prebuilt library fits this machine, nothing to build ({ready.path})"
+    if ready.how == "cached":
+        return f"already in the cache ({ready.path})"
+    return BUILT
 
 
 def prepare_each(builders: list[OpBuilder], jobs: int | None = None) -> Iterator[tuple[str, str | BaseException]]:
@@ -38,12 +37,12 @@ def prepare_each(builders: list[OpBuilder], jobs: int | None = None) -> Iterator
     process building the same op is waited for rather than repeated.
     """
     # Keys are worked out here, once, not in the threads.
-    plans = [(b, None if prebuilt.find(b.prebuilt_wanted())[0] is not None else b.build_spec()) for b in builders]
-    if not plans:
+    specs = [b.build_spec() for b in builders]
+    if not specs:
         return
-    pool = ThreadPoolExecutor(max_workers=jobs or len(plans))
+    pool = ThreadPoolExecutor(max_workers=jobs or len(specs))
     try:
-        futures = {pool.submit(_ensure, b, spec): b.name for b, spec in plans}
+        futures = {pool.submit(_ensure, spec): spec.op for spec in specs}
         for future in as_completed(futures):
             try:
                 yield futures[future], future.result()

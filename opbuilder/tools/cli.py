@@ -226,7 +226,7 @@ def _compile_commands(args: argparse.Namespace) -> int:
     import importlib
     import json
 
-    from opbuilder.jit import compile as ninja_build, registry
+    from opbuilder.jit import compile, registry
 
     entries = []
     for name in args.ops or registry.names():
@@ -235,7 +235,7 @@ def _compile_commands(args: argparse.Namespace) -> int:
             builder = getattr(importlib.import_module(module), cls)()
         else:
             builder = registry.get_builder(name)
-        entries += ninja_build.compile_commands(builder.build_spec())
+        entries += compile.compile_commands(builder.build_spec())
     args.output.write_text(json.dumps(entries, indent=1) + "\n")
     print(f"wrote {args.output} ({len(entries)} files)")
     return 0
@@ -247,7 +247,7 @@ def _compile_commands(args: argparse.Namespace) -> int:
 def _clean(args: argparse.Namespace) -> int:
     from filelock import FileLock, Timeout
 
-    from opbuilder import env
+    from opbuilder import env, paths
     from opbuilder.jit import cache, registry, toolchain
     from opbuilder.tools import report
 
@@ -294,7 +294,7 @@ def _clean(args: argparse.Namespace) -> int:
                 size = report.tree_size(slot.path) if slot.path.exists() else 0
                 cache.retire(slot)
                 cache.remove_stray_tmp_dirs(slot)
-                for path in (slot.failure_path, op_dir / f"{key}.failed.log"):
+                for path in (slot.failure_path, paths.failure_log(op, key)):
                     if path.exists():
                         size += path.stat().st_size
                         path.unlink()
@@ -320,15 +320,14 @@ def _clean_work(op: str) -> int:
 
     from filelock import FileLock, Timeout
 
-    from opbuilder import env
-    from opbuilder.jit import compile as ninja_build
+    from opbuilder import paths
     from opbuilder.tools import report
 
     freed = 0
-    for work in sorted((env.cache_root() / ninja_build.WORK_ROOT).glob(f"{op}-*")):
+    for work in sorted(paths.work_root().glob(f"{op}-*")):
         if not work.is_dir() or not _WORK.fullmatch(work.name[len(op) + 1:]):
             continue
-        lock = FileLock(str(work) + ".lock")
+        lock = FileLock(str(paths.work_lock(work)))
         try:
             lock.acquire(timeout=0)
         except Timeout:

@@ -19,33 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
-from opbuilder.tools.bench.specs import LN_EPS, RMS_EPS, SPECS, Fn, Inputs
-
-#: The issue's measure: 16-element tensors (one row of 16 for the row-wise ops; 4x4 operands for the matmul).
-HOST_SHAPES: dict[str, tuple[int, ...]] = {
-    "relu": (16,),
-    "softmax": (1, 16),
-    "fused_relu_layernorm": (1, 16),
-    "fused_add_rmsnorm": (1, 16),
-    "fused_matmul_add_relu": (4, 4, 4),
-}
-
-
-def _unfused_add_rmsnorm(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h = inp + residual
-    return F.rms_norm(h, (h.shape[-1],), weight, RMS_EPS), h
-
-
-def _unfused_relu_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(torch.relu(x), (x.shape[-1],), weight, bias, LN_EPS)
-
+from opbuilder.tools.bench.specs import SPECS, Fn, Inputs, OpSpec
 
 @dataclass(frozen=True)
 class Registered:
-    """The registered op ``opbuilder.ops.<module>.<getter>()`` (an OpOverload), called on the spec's inputs
-    with ``extra`` appended (eps); ``first``: the first output only. Resolved when measured (it loads the op)."""
+    """The registered op ``<module>.<getter>()`` (an OpOverload, ``module`` the op's), called on the spec's
+    inputs with ``extra`` appended (eps); ``first``: the first output only. Resolved when measured (it loads
+    the op)."""
 
     module: str
     getter: str
@@ -53,7 +34,7 @@ class Registered:
     first: bool = False
 
     def overload(self) -> torch._ops.OpOverload:
-        return getattr(importlib.import_module(f"opbuilder.ops.{self.module}"), self.getter)()
+        return getattr(importlib.import_module(self.module), self.getter)()
 
     def bind(self, call: Callable[..., object]) -> Fn:
         """``call`` as a function of the spec's inputs."""
@@ -65,10 +46,6 @@ class Registered:
     def __call__(self) -> Fn:
         """Through ``torch.ops``: the registered op with its Python autograd kernel."""
         return self.bind(self.overload())
-
-
-def _op(module: str, getter: str, *extra: object, first: bool = False) -> Registered:
-    return Registered(module, getter, extra, first)
 
 
 def _nograd(overload: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -124,6 +101,8 @@ def bare_function(op: Registered) -> Fn:
 
 @dataclass(frozen=True)
 class HostCase:
+    """One op's measure, from its record (``Record.host``)."""
+
     #: what ours is held against, in words and as a function of the spec's inputs
     torch_name: str
     torch_fn: Fn
@@ -131,19 +110,19 @@ class HostCase:
     limit: float
     #: our registered op: plain, and the one a gradient takes
     op: Registered
-    grad_op: Registered | None = None
+    grad_op: Registered | None
+    #: the tiny shape measured
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, spec: OpSpec) -> HostCase:
+        host, module = spec.record.host, spec.module
+        grad = Registered(module, host.grad_op, host.extra, host.grad_first) if host.grad_op else None
+        return cls(host.torch_name, host.torch_fn, host.limit, Registered(module, host.op, host.extra, host.first), grad,
+                   spec.record.workloads.host)
 
 
-HOST_CASES: dict[str, HostCase] = {
-    "relu": HostCase("torch.relu", torch.relu, 2.5, _op("relu", "relu_op"), _op("relu", "relu_mask_op", first=True)),
-    "softmax": HostCase("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, _op("softmax", "forward_op")),
-    "fused_relu_layernorm": HostCase("F.layer_norm(torch.relu(x))", _unfused_relu_layernorm, 1.0,
-                                     _op("fused_relu_layernorm", "fused_relu_layernorm_op", LN_EPS, first=True)),
-    "fused_add_rmsnorm": HostCase("x + r, F.rms_norm", _unfused_add_rmsnorm, 1.0,
-                                  _op("fused_add_rmsnorm", "fused_add_rmsnorm_op", RMS_EPS)),
-    "fused_matmul_add_relu": HostCase("torch.relu(a @ b + c)", lambda a, b, c: torch.relu(a @ b + c), 1.0,
-                                      _op("fused_matmul_add_relu", "fused_matmul_add_relu_op")),
-}
+HOST_CASES: dict[str, HostCase] = {name: HostCase.of(spec) for name, spec in SPECS.items()}
 
 
 def time_calls(fns: dict[str, Callable[[], object]], *, calls: int = 2000, rounds: int = 15,
@@ -173,7 +152,7 @@ def measure_op(op: str, ours: Fn, device: torch.device, dtype: torch.dtype = tor
     spec, case = SPECS[op], HOST_CASES[op]
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
-    shape = HOST_SHAPES[op]
+    shape = case.shape
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for grad in (False, True):
