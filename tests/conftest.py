@@ -1,13 +1,10 @@
-"""Shared fixtures: one build cache for the whole run (under build/, so a second run is warm), and
-helpers to run Python in a fresh process."""
+"""Shared fixtures: one build cache for the whole run (under build/, so a second run is warm), a fresh
+cache, a built user op; and how the tests are spread over pytest-xdist workers. What the tests share
+besides fixtures is the ``helpers`` package beside this file (no test imports another test module)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,34 +19,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
-import torch  # noqa: E402  (after the variable above: Inductor reads it at import)
+import torch  # noqa: E402,F401  (after the variable above: Inductor reads it at import)
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, run_python  # noqa: E402
 
 # Every test process and every child it starts builds into this cache unless told otherwise.
 os.environ.setdefault("OPB_CACHE_DIR", str(ROOT / "build" / "test-cache"))
-
-CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
-
-requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run on the GPU machine")
-
-
-def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with this environment plus ``env``."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
-    )
-
-
-def default_sigint() -> None:
-    """A child's ``preexec_fn``: SIGINT back to its default action. A test run started in the background by a
-    non-interactive shell (``cmd &`` in a script) ignores SIGINT, its children inherit that, and a Python
-    that starts ignoring SIGINT never raises KeyboardInterrupt: a test that presses Ctrl-C on a child needs
-    the child to hear it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
@@ -62,9 +37,9 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="session")
 def built_user_op(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the user op of tests/userop.py, a cache holding its one build), built once a run (once a worker under
-    xdist). A test that needs a warm cache to start from copies it (``copy_cache``) instead of building."""
-    from userop import load_snippet, write_user_op
+    """(the user op of tests/helpers/userop.py, a cache holding its one build), built once a run (once a worker
+    under xdist). A test that needs a warm cache to start from copies it (``copy_cache``) instead of building."""
+    from helpers.userop import load_snippet, write_user_op
 
     base = tmp_path_factory.mktemp("built-user-op")
     op = write_user_op(base / "proj")
@@ -75,14 +50,6 @@ def built_user_op(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return op, cache
 
 
-def copy_cache(cache: Path, dest: Path) -> Path:
-    """A copy of the cache ``cache`` at ``dest`` (modes and modification times kept, so the manifests still
-    match: the copy is a warm cache); returns ``dest``."""
-    shutil.copytree(cache, dest, symlinks=True)
-    return dest
-
-
-
 # Modules whose module-scoped fixture is expensive: a pip install that prebuilds relu (test_prebuild), a bench
 # run (test_bench), relu's build copied into a private cache (test_report_health), a cold build of relu that
 # the next tests read (test_cli: its tests must also run in order, on one worker). Under xdist's default "load"
@@ -91,8 +58,10 @@ def copy_cache(cache: Path, dest: Path) -> Path:
 # spreads every other test as "load" does).
 # test_dispatch_builtin and test_dispatch store traces for one op name in the shared cache and remove them
 # afterwards: on two workers, one test's trace would steer, or be removed under, another's.
+# test_properties counts the calls of its property tests in the process and checks the counts in its last test:
+# spread over two workers, that test would see only its own worker's counts.
 ONE_WORKER_MODULES = ("test_prebuild", "test_bench", "test_report_health", "test_cli", "test_dispatch_builtin",
-                      "test_dispatch")
+                      "test_dispatch", "test_properties")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,51 @@
+"""What the tests share: the checkout's root, the devices, running Python in a fresh process, copying a cache.
+
+The other modules here are helpers too (never tests): ``reference`` (a float64 reference with per-dtype
+tolerances), ``cache`` (reading a cache and its builds), ``userop``/``twofile``/``dispatch_userop`` (small
+user ops written on the fly), ``dist_step``/``dist_dtensor`` (scripts run on every rank by torch.distributed.run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+#: This folder: the helper modules and scripts.
+HELPERS = Path(__file__).resolve().parent
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run on the GPU machine")
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with this environment plus ``env``."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
+    )
+
+
+def default_sigint() -> None:
+    """A child's ``preexec_fn``: SIGINT back to its default action. A test run started in the background by a
+    non-interactive shell (``cmd &`` in a script) ignores SIGINT, its children inherit that, and a Python
+    that starts ignoring SIGINT never raises KeyboardInterrupt: a test that presses Ctrl-C on a child needs
+    the child to hear it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def copy_cache(cache: Path, dest: Path) -> Path:
+    """A copy of the cache ``cache`` at ``dest`` (modes and modification times kept, so the manifests still
+    match: the copy is a warm cache); returns ``dest``."""
+    shutil.copytree(cache, dest, symlinks=True)
+    return dest

@@ -1,0 +1,179 @@
+"""The JIT cache: warm loads do not rebuild, the key follows the content, concurrent and killed
+builds are safe, damaged artifacts are rebuilt, and failures carry the compiler's words."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import ROOT, copy_cache, run_python
+from helpers import cache as built
+from helpers.userop import load_snippet, write_user_op
+
+
+def test_warm_load_does_not_rebuild(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    first = built.load(op)
+    assert first.returncode == 0, first.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in first.stdout
+    assert built.builds(first) == 1
+    build_dir, manifest = built.manifest(fresh_cache)
+    so_mtime = (build_dir / manifest["artifact"]).stat().st_mtime_ns
+
+    second = built.load(op)
+    assert second.returncode == 0, second.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in second.stdout
+    assert second.stderr == "", "a cache hit must print nothing"
+    _, again = built.manifest(fresh_cache)
+    assert again["build_id"] == manifest["build_id"]
+    assert (build_dir / manifest["artifact"]).stat().st_mtime_ns == so_mtime
+
+
+def test_warm_load_uses_no_compiler_no_lock(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
+    probe = load_snippet(op) + (
+        "\nimport sys\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules, 'warm load imported cpp_extension'\n"
+        "assert 'filelock' not in sys.modules or not any(\n"
+        "    'opbuilder' in repr(getattr(m, '__file__', '')) for m in [])\n"
+    )
+    # Make taking any file lock fail loudly in the warm process.
+    probe = "import filelock\nfilelock.FileLock.acquire = lambda *a, **k: (_ for _ in ()).throw(RuntimeError('lock taken'))\n" + probe
+    result = run_python(probe)
+    assert result.returncode == 0, result.stderr
+
+
+def test_key_follows_sources_headers_and_flags(tmp_path: Path) -> None:
+    sys.path.insert(0, str(write_user_op(tmp_path / "proj")))
+    try:
+        from my_ops import AddScaleBuilder
+
+        base = AddScaleBuilder().key
+        (tmp_path / "proj/csrc/scale.h").write_text("#pragma once\nconstexpr float kScale = 3.0;\n")
+        header_changed = AddScaleBuilder().key
+        write_user_op(tmp_path / "proj", offset=2.0)
+        source_changed = AddScaleBuilder().key
+
+        class WithFlag(AddScaleBuilder):
+            def cxx_args(self) -> list[str]:
+                return super().cxx_args() + ["-DEXTRA=1"]
+
+        flag_changed = WithFlag().key
+        write_user_op(tmp_path / "proj")
+        assert AddScaleBuilder().key == base, "reverting the files must give back the same key"
+        assert len({base, header_changed, source_changed, flag_changed}) == 4
+    finally:
+        sys.path.remove(str(tmp_path / "proj"))
+        sys.modules.pop("my_ops", None)
+
+
+def test_header_edit_rebuilds_and_revert_reuses(built_user_op: tuple[Path, Path], tmp_path: Path,
+                                                 fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj", scale=2.0)  # the built op's files: its build is in the copied cache
+    copy_cache(built_user_op[1], fresh_cache)
+    write_user_op(op, scale=3.0)
+    edited = built.load(op)
+    assert built.builds(edited) == 1 and "RESULT [1.0, 4.0, 7.0, 10.0, 13.0]" in edited.stdout
+    write_user_op(op, scale=2.0)
+    reverted = built.load(op)
+    assert reverted.returncode == 0, reverted.stderr
+    assert built.builds(reverted) == 0, "the old build must be reused"
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in reverted.stdout
+
+
+def test_two_processes_build_once(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    env = dict(os.environ)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=ROOT)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all("RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in out for out, _ in outs)
+    assert sum(err.count("opbuilder: building ") for _, err in outs) == 1
+
+
+def test_killed_build_leaves_no_poison(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    proc = subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    op_dir = fresh_cache / "add_scale"
+    # Wait until the compiler is running in the cache (the op's work folder), then kill the loader.
+    assert built.wait_for(lambda: bool(built.build_processes(op / "csrc", fresh_cache)), 120), "the build never started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # ninja dies with its loader (parent-death signal) and ends its compilers at once.
+    assert built.wait_for(lambda: not built.build_processes(op / "csrc", fresh_cache), 3), built.build_processes(op / "csrc", fresh_cache)
+    # A zero lock timeout proves the next load does not wait for the dead builder's lock.
+    result = built.load(op, OPB_LOCK_TIMEOUT="0")
+    assert result.returncode == 0, result.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout
+    assert not list(op_dir.glob(".tmp-*")), "the stray temporary folder must be removed"
+
+
+def test_truncated_artifact_is_rebuilt(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
+    build_dir, manifest = built.manifest(fresh_cache)
+    artifact = build_dir / manifest["artifact"]
+    artifact.write_bytes(artifact.read_bytes()[:1000])
+    result = built.load(op)
+    assert result.returncode == 0, result.stderr
+    assert built.builds(result) == 1
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout
+
+
+def test_garbage_artifact_of_the_same_size_is_rebuilt(built_user_op: tuple[Path, Path], fresh_cache: Path) -> None:
+    op = built_user_op[0]
+    copy_cache(built_user_op[1], fresh_cache)
+    build_dir, manifest = built.manifest(fresh_cache)
+    artifact = build_dir / manifest["artifact"]
+    artifact.write_bytes(b"\0" * manifest["artifact_size"])
+    result = built.load(op)
+    assert result.returncode == 0, result.stderr
+    assert built.builds(result) == 1
+
+
+def test_failed_build_reports_compiler_error_here_and_in_waiter(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj", broken=True)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", load_snippet(op)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for proc, (_, err) in zip(procs, outs):
+        assert proc.returncode != 0
+        assert "BuildError" in err, err
+        assert "add_scale.cpp" in err and "error:" in err, err
+        assert "ImportError" not in err and "cannot open shared object" not in err
+    # Nothing that looks like a build is left in the cache.
+    assert not [p for p in (fresh_cache / "add_scale").iterdir() if p.is_dir()]
+
+
+CLEAN_AFTER_BUILD = """
+import subprocess, sys
+from opbuilder.jit import build
+real_ensure_built = build.ensure_built
+cleaned = []
+def ensure_built_then_clean(spec, **kwargs):
+    path = real_ensure_built(spec, **kwargs)  # built, published, the lock released
+    if not cleaned:
+        cleaned.append(subprocess.run([sys.executable, "-m", "opbuilder", "clean", spec.op], check=True))
+    return path
+build.ensure_built = ensure_built_then_clean
+"""
+
+
+def test_clean_between_build_and_load_is_not_a_build_error(tmp_path: Path, fresh_cache: Path) -> None:
+    op = write_user_op(tmp_path / "proj")
+    result = run_python(CLEAN_AFTER_BUILD + load_snippet(op))
+    assert result.returncode == 0 and "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout, result.stderr[-2000:]

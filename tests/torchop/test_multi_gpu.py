@@ -1,0 +1,63 @@
+"""benchmarks/multi_gpu.py through torchrun on an empty cache: each op built once, and under DDP, FSDP2 and
+tensor + sequence parallelism the loss and gradients of opbuilder's model equal those of PyTorch's. Two CPU
+ranks (gloo) here; every visible GPU (NCCL) on a machine with two or more. Timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT
+from opbuilder.jit.registry import names
+
+PLANS = ("DDP", "FSDP2", "TP+SP")
+
+
+def run_benchmark(tmp_path: Path, ranks: int, *args: str) -> dict:
+    out = tmp_path / "multi_gpu.json"
+    # PYTHONPATH: opbuilder from this checkout in every rank, installed or not.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OPB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           str(ROOT / "benchmarks" / "multi_gpu.py"), "--steps", "2", "--rounds", "1", "--warmup", "1",
+           "--json", str(out), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def assert_checks_pass(report: dict, ranks: int) -> None:
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["ok"]]
+    assert not failed, "\n".join(failed)
+    assert report["ok"] and report["world_size"] == ranks
+    for op in names():
+        b = report["builds"][op]
+        assert (b["builds"], b["new_folders"], b["cold_cache"]) == (1, 1, True), f"{op}: {b}"
+        assert len(b["first_call_s"]) == ranks
+    checked = {c["name"] for c in report["checks"]}
+    for plan in PLANS:
+        assert f"{plan} loss" in checked, f"{plan}: no loss check"
+        assert sum(name.startswith(f"{plan} grad ") for name in checked) >= 10, f"{plan}: gradient checks missing"
+        assert set(report["steps_per_s"][plan]) >= {"ours", "pytorch", "ratio"}
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_gloo(tmp_path: Path) -> None:
+    report = run_benchmark(tmp_path, 2, "--device", "cpu", "--backend", "gloo", "--dim", "32", "--hidden", "64",
+                           "--seq", "16")
+    assert_checks_pass(report, 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs: run on a multi-GPU machine")
+def test_every_gpu_nccl(tmp_path: Path) -> None:
+    ranks = min(torch.cuda.device_count(), 8)
+    report = run_benchmark(tmp_path, ranks, "--device", "cuda", "--backend", "nccl", "--seq", "256")
+    assert_checks_pass(report, ranks)
