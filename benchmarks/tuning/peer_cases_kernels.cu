@@ -1,4 +1,4 @@
-// Entry points for benchmarks/tuning/issue14.py (not part of any op): the working tree's softmax and
+// Entry points for benchmarks/tuning/peer_cases.py (not part of any op): the working tree's softmax and
 // add+RMSNorm kernel templates at explicit launch shapes and cache policies, and two floors (an empty
 // kernel, and a kernel with add+RMSNorm's memory traffic and none of its arithmetic). No torch headers;
 // called through ctypes with raw pointers and a stream.

@@ -1,4 +1,4 @@
-"""Issue 14's four lost cases on the GPU, in one run: the op as built, kernel variants (launch shape, cache
+"""The cases where the ops lost to a peer (issue 14's four), on the GPU, in one run: the op as built, kernel variants (launch shape, cache
 policy, one or two exps an element), Liger-Kernel, torch.compile and the floors, each checked first.
 
 Cases (H100 targets of issue 14):
@@ -18,13 +18,13 @@ host, events around each call, median of the repeats), input sets rotated beyond
 outputs allocated per call as the ops do, two rounds taken in turns (the spread between them is the noise).
 Some cases are also timed with triton's do_bench (an L2 flush before each call; column "flush").
 
-  python3 benchmarks/tuning/issue14.py --build      here: nvcc -> build/issue14/libissue14.so
-  python3 benchmarks/tuning/issue14.py --build-sweep REV   here: softmax's launchers of git REV and of the working
-                                                    tree -> build/issue14/sweep_{base,new}.so
-  OUT=dir python3 benchmarks/tuning/issue14.py      GPU machine (rebuilds the library if it does not load)
-  OUT=dir python3 benchmarks/tuning/issue14.py --only sweep   softmax forward and backward with each tree's own
+  python3 benchmarks/tuning/peer_cases.py --build      here: nvcc -> build/peer_cases/libpeer_cases.so
+  python3 benchmarks/tuning/peer_cases.py --build-sweep REV   here: softmax's launchers of git REV and of the working
+                                                    tree -> build/peer_cases/sweep_{base,new}.so
+  OUT=dir python3 benchmarks/tuning/peer_cases.py      GPU machine (rebuilds the library if it does not load)
+  OUT=dir python3 benchmarks/tuning/peer_cases.py --only sweep   softmax forward and backward with each tree's own
                                                     default plans, side by side over more shapes than the bench
-Writes $OUT/issue14.json; prints a table per case and a summary last.
+Writes $OUT/peer_cases.json; prints a table per case and a summary last.
 """
 
 from __future__ import annotations
@@ -46,18 +46,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SRC = Path(__file__).with_name("issue14_kernels.cu")
-LIB_PATH = ROOT / "build" / "issue14" / "libissue14.so"
+SRC = Path(__file__).with_name("peer_cases_kernels.cu")
+LIB_PATH = ROOT / "build" / "peer_cases" / "libpeer_cases.so"
 OUT = Path(os.environ.get("OUT", "/tmp"))
 if str(ROOT) not in sys.path:  # opbuilder from this checkout, whether or not it is installed
     sys.path.insert(0, str(ROOT))
+from tuning import NVCC_FLAGS  # noqa: E402  (the op builder's own flags; tuning.py is beside this file)
 NVCC = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
-NVCC_FLAGS = [  # as the op builder compiles CUDA (opbuilder/jit/builder.py, torch's cpp_extension defines)
-    "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode=arch=compute_90,code=sm_90",
-    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Ikernels",
-    "-Iopbuilder/include", "-Xptxas", "-v",
-]
 EPS = 1e-6
 BF16, FP32 = torch.bfloat16, torch.float32
 TOL = {FP32: 1e-5, BF16: 1e-2}
@@ -382,7 +377,7 @@ def rms_ref(x, r, w):
 
 
 def rmsnorm_case(b: Bench, lib: Lib, rows: int) -> None:
-    from opbuilder.tools.bench.specs import eager_add_rmsnorm
+    from opbuilder.ops.fused_add_rmsnorm import reference as eager_add_rmsnorm
     from opbuilder.ops.fused_add_rmsnorm import fused_add_rmsnorm
 
     hidden = 4096
@@ -530,7 +525,7 @@ def build_sweep(rev: str) -> None:
     archive = subprocess.run(["git", "archive", "--format=tar", rev, "kernels", "opbuilder/include"], cwd=ROOT,
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
-    shim = Path(__file__).with_name("issue14_sweep.cu")
+    shim = Path(__file__).with_name("peer_cases_sweep.cu")
     for name, tree in (("base", base), ("new", ROOT)):
         flags = [f for f in NVCC_FLAGS if f not in ("-Ikernels", "-Iopbuilder/include")]
         cmd = [NVCC, *flags, f"-I{tree / 'kernels'}", f"-I{tree / 'opbuilder/include'}", str(shim),
@@ -705,9 +700,9 @@ def main() -> None:
             RESULTS["errors"].append(f"{name}: {type(e).__name__}: {e}")
             traceback.print_exc()
         log(f"  ({name}: {time.time() - t0:.0f} s)")
-        (OUT / "issue14.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        (OUT / "peer_cases.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     summary()
-    (OUT / "issue14.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    (OUT / "peer_cases.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
 if __name__ == "__main__":

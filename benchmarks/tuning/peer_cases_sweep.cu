@@ -1,4 +1,4 @@
-// Shim for benchmarks/tuning/issue14.py --sweep: softmax's own launchers (kernels/softmax/*.cu of whichever
+// Shim for benchmarks/tuning/peer_cases.py --sweep: softmax's own launchers (kernels/softmax/*.cu of whichever
 // tree this is compiled against) with their default plans, behind a C interface, so that two trees' kernels
 // (HEAD's and the working tree's) can be loaded side by side through ctypes and timed on the same shapes.
 #include <cuda_runtime.h>
