@@ -164,7 +164,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         op = _ops.eager().fused_matmul_add_relu
         try:
             if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(lhs, rhs, bias):
-                return op.apply(lhs, rhs, bias)
+                return op.grad(lhs, rhs, bias)
             return op.nograd(lhs, rhs, bias)
         except (RuntimeError, TypeError) as exc:
             error = exc
@@ -179,7 +179,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         return y
     if direct:
         op = _ops.eager().fused_matmul_add_relu
-        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
+        return (op.grad if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 
