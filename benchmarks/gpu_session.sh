@@ -77,7 +77,7 @@ if [[ " $steps " == *" multigpu "* ]]; then
 mkdir -p "$out/train"
 n=$($py -c "import torch; print(torch.cuda.device_count())")
 step "benchmarks/multi_gpu.py on $n GPUs (${MULTI_ARGS:-default size})"
-OPB_CACHE_DIR=/tmp/opb-multi-$RANDOM timeout "${MULTI_TIMEOUT:-300}" torchrun --nproc_per_node "$n" benchmarks/multi_gpu.py \
+OPB_CACHE_DIR="${MULTI_CACHE:-$OPB_CACHE_DIR}" timeout "${MULTI_TIMEOUT:-300}" torchrun --nproc_per_node "$n" benchmarks/multi_gpu.py \
     ${MULTI_ARGS:-} --json "$out/train/multi_gpu${MULTI_TAG:-}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -40
 fi
 
