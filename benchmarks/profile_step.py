@@ -38,6 +38,22 @@ def _profile(label: str, model, x, target, steps: int, rows: int, out: Path) -> 
         if x.is_cuda:
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    if x.is_cuda:
+        # The GPU's side: kernel time per step, and any call that makes the host wait for the GPU.
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                _step(model, x, target)
+            torch.cuda.synchronize()
+        table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(model, x, target)
+        torch.cuda.set_sync_debug_mode(0)
+        syncs = sorted({str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)})
+        table += f"\nhost-device synchronisations in one step: {len(syncs)}\n" + "\n".join(syncs) + "\n"
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(steps):
