@@ -210,3 +210,29 @@ def test_a_torch_upgrade_never_loads_the_old_glue(tmp_path: Path) -> None:
     result = run_python(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded False building" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("bias_shape", [(5,), (7, 5), (1,), None])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_matmul_backward_of_the_linear_layer_case(bias_shape: tuple | None, transposed: bool) -> None:
+    """The 2-D case's own backward (two mm and a column sum): a weight used transposed (the layer's
+    weight.t()) gets a gradient of the weight's layout; every bias shape sums right."""
+    g = torch.Generator().manual_seed(3)
+    lhs = torch.randn(7, 12, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(5, 12, generator=g, dtype=torch.float64).requires_grad_()
+    plain = torch.randn(12, 5, generator=g, dtype=torch.float64).requires_grad_()
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    def fn(lhs, rhs_source, *bias):
+        rhs = rhs_source.t() if transposed else rhs_source
+        return ops.fused_matmul_add_relu(lhs, rhs, *bias)
+
+    args = [lhs, weight if transposed else plain] + ([bias] if bias is not None else [])
+    assert fn(*args).grad_fn.name() == "opbuilder::FusedMatmulAddReluBackward"
+    out, upstream, got = _grads(fn, args)
+    with cxx_autograd.disabled():
+        _, _, want = _grads(fn, args, upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert a.stride() == b.stride()
+    assert torch.autograd.gradcheck(fn, args)

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
 
 #include <autograd/autograd.h>
@@ -43,9 +45,22 @@ struct Backward final : torch::autograd::Node {
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
     Tensor a = lhs.unpack(), b = rhs.unpack();
     Tensor grad_pre = at::threshold_backward(grads[0], y.unpack(getptr()), 0);
-    Tensor ga = task_should_compute_output(0) ? reduce_to(at::matmul(grad_pre, b.mT()), a.sizes()) : Tensor();
-    Tensor gb = task_should_compute_output(1) ? grad_rhs(grad_pre, a, b) : Tensor();
-    Tensor gc = has_bias && task_should_compute_output(2) ? reduce_to(grad_pre, bias_shape) : Tensor();
+    const bool need_a = task_should_compute_output(0), need_b = task_should_compute_output(1);
+    const bool need_c = has_bias && task_should_compute_output(2);
+    if (a.dim() == 2 && b.dim() == 2) {
+      // The linear layer's case, as aten's AddmmBackward does it: two mm and a column sum, no matmul or
+      // sum_to_size (composites that cost several dispatches each).
+      Tensor ga = need_a ? at::mm(grad_pre, b.t()) : Tensor();
+      Tensor gb;
+      if (need_b) gb = b.stride(0) == 1 && b.stride(1) != 1 ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
+      Tensor gc;
+      if (need_c) gc = bias_shape.size() == 1 && bias_shape[0] == grad_pre.size(1) ? at::sum(grad_pre, 0)
+                                                                                   : reduce_to(grad_pre, bias_shape);
+      return {ga, gb, gc};
+    }
+    Tensor ga = need_a ? reduce_to(at::matmul(grad_pre, b.mT()), a.sizes()) : Tensor();
+    Tensor gb = need_b ? grad_rhs(grad_pre, a, b) : Tensor();
+    Tensor gc = need_c ? reduce_to(grad_pre, bias_shape) : Tensor();
     return {ga, gb, gc};
   }
   std::string name() const override { return "opbuilder::FusedMatmulAddReluBackward"; }
