@@ -131,7 +131,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         ndim = x.dim()
     if eager.direct():
         forward = _ops.eager().forward
-        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.nograd
+        op = forward.grad if x.requires_grad and torch.is_grad_enabled() else forward.nograd
     else:
         op = forward_op()
     if dim == ndim - 1 and ndim:
@@ -191,5 +191,5 @@ RECORD = Record(
         cost_model="read x, write y: 2 x rows x hidden x bytes",
         cost_model_backward="forward 2; backward reads grad_y and y, writes grad_x: 5 x rows x hidden x bytes",
     ),
-    host=Host("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, op="forward_op"),
+    host=Host("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, op="forward_op", step_limit=2.0),
 )

@@ -69,6 +69,7 @@ class Host:
 
     torch_name: str
     torch_fn: Fn
+    #: the most a forward call may cost, as a multiple of the torch call(s)
     limit: float
     op: str
     grad_op: str | None = None
@@ -77,6 +78,9 @@ class Host:
     #: whether the registered op returns more than the function (LayerNorm's mean and rstd): take the first
     first: bool = False
     grad_first: bool = False
+    #: the most a forward and backward may cost, as a multiple of the torch call(s)' (a fused op: no more than
+    #: the unfused sequence)
+    step_limit: float = 1.0
 
 
 @dataclass(frozen=True)

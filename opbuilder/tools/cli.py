@@ -194,6 +194,15 @@ def _build(args: argparse.Namespace) -> int:
             failed.append(name)
         else:
             print(f"{name}: skipped: " + "; ".join(reasons), flush=True)
+    from opbuilder import env
+
+    if args.all and todo and env.cxx_autograd():
+        # The built-in ops' C++ gradient path (opbuilder.torchop.cxx_autograd), so that training never waits for it.
+        from opbuilder.builders.autograd import AutogradGlueBuilder
+
+        glue = AutogradGlueBuilder()
+        if not glue.incompatibility_reasons():
+            todo.append(glue)
     if todo:
         # All at once by default: their compilers share the cores through the compile slots.
         failed += _build_all(todo, args.jobs or len(todo))
