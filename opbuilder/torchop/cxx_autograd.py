@@ -150,11 +150,19 @@ def disabled() -> Iterator[None]:
         _reset_eager_ops()
 
 
+#: Called when the gradient path switches (``disabled``): ``opbuilder.torchop.lazy`` registers the forgetting of
+#: the ops' eager entries here, so that this module, which the eager path asks, imports neither.
+_ON_SWITCH: list[Callable[[], None]] = []
+
+
+def on_switch(hook: Callable[[], None]) -> None:
+    _ON_SWITCH.append(hook)
+
+
 def _reset_eager_ops() -> None:
     # The ops' eager entries bound their grad call on first use: forget it, so the next call asks again.
-    from opbuilder.torchop import lazy
-
-    lazy.reset_eager()
+    for hook in _ON_SWITCH:
+        hook()
 
 
 def state() -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from opbuilder.jit.builder import OpBuilder
+from opbuilder.torchop import cxx_autograd
 from opbuilder.torchop.eager import EagerOps
 
 _ENTRIES: dict[str, tuple[str | OpBuilder, Callable[[str], None]]] = {}
@@ -72,3 +73,6 @@ def reset_eager() -> None:
     """Forget every op's bound eager entries (``LazyOps.eager``): the next call binds them again."""
     for ops in _INSTANCES:
         ops._eager = None
+
+
+cxx_autograd.on_switch(reset_eager)
