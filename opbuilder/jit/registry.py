@@ -8,20 +8,17 @@ from typing import Any
 from opbuilder.errors import UnknownOpError
 from opbuilder.jit.builder import OpBuilder
 
-#: Every built-in op, one line each: name -> (its builder, "module:Class"; the module of its public function,
-#: layer and record, ``opbuilder.dispatch.record``). Imported on lookup, so naming an op costs nothing.
-BUILTINS: dict[str, tuple[str, str]] = {
-    "relu": ("opbuilder.builders.relu:ReluBuilder", "opbuilder.ops.relu"),
-    "fused_add_rmsnorm": ("opbuilder.builders.fused_add_rmsnorm:FusedAddRMSNormBuilder", "opbuilder.ops.fused_add_rmsnorm"),
-    "fused_relu_layernorm": ("opbuilder.builders.fused_relu_layernorm:FusedReLULayerNormBuilder",
-                             "opbuilder.ops.fused_relu_layernorm"),
-    "softmax": ("opbuilder.builders.softmax:SoftmaxBuilder", "opbuilder.ops.softmax"),
-    "fused_matmul_add_relu": ("opbuilder.builders.fused_matmul_add_relu:FusedMatmulAddReluBuilder",
-                              "opbuilder.ops.fused_matmul_add_relu"),
+#: Every built-in op, one line each: name -> its builder, "module:Class". Imported on lookup, so naming an op
+#: costs nothing. The op's public function, layer and record (``opbuilder.dispatch.record``) are in
+#: ``opbuilder.ops.<name>`` (``RECORD_MODULE``).
+BUILDERS: dict[str, str] = {
+    "relu": "opbuilder.builders.relu:ReluBuilder",
+    "fused_add_rmsnorm": "opbuilder.builders.fused_add_rmsnorm:FusedAddRMSNormBuilder",
+    "fused_relu_layernorm": "opbuilder.builders.fused_relu_layernorm:FusedReLULayerNormBuilder",
+    "softmax": "opbuilder.builders.softmax:SoftmaxBuilder",
+    "fused_matmul_add_relu": "opbuilder.builders.fused_matmul_add_relu:FusedMatmulAddReluBuilder",
 }
-
-#: op name -> "module:Builder class".
-BUILDERS: dict[str, str] = {name: builder for name, (builder, _module) in BUILTINS.items()}
+RECORD_MODULE = "opbuilder.ops.{op}"
 
 _INSTANCES: dict[str, OpBuilder] = {}
 
@@ -31,8 +28,8 @@ def names() -> list[str]:
 
 
 def _known(name: str) -> None:
-    if name not in BUILTINS:
-        raise UnknownOpError(f"no built-in op named {name!r}; known ops: {', '.join(BUILTINS)}")
+    if name not in BUILDERS:
+        raise UnknownOpError(f"no built-in op named {name!r}; known ops: {', '.join(BUILDERS)}")
 
 
 def builder_class(name: str) -> type[OpBuilder]:
@@ -52,4 +49,4 @@ def record(name: str) -> Any:
     """The record of a built-in op (``RECORD`` of its module: an ``opbuilder.dispatch.record.Record``);
     imports the op's module (and torch). An unknown name raises UnknownOpError listing the known ones."""
     _known(name)
-    return importlib.import_module(BUILTINS[name][1]).RECORD
+    return importlib.import_module(RECORD_MODULE.format(op=name)).RECORD

@@ -256,17 +256,17 @@ def _compile_commands(args: argparse.Namespace) -> int:
 def _clean(args: argparse.Namespace) -> int:
     from filelock import FileLock, Timeout
 
-    from opbuilder import env, paths
+    from opbuilder import paths
     from opbuilder.jit import cache, registry, toolchain
     from opbuilder.tools import report
 
-    root = env.cache_root()
+    root = paths.root()
     ops = list(dict.fromkeys(args.ops)) or report.cached_ops(root)
     here = toolchain.torch_environment() if args.stale else {}
     removed = kept = busy = 0
     freed = 0
     for op in ops:
-        op_dir = root / op
+        op_dir = paths.op_dir(op)
         if not op_dir.is_dir():
             print(f"{op}: nothing in the cache")
             continue

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opbuilder import env
+from opbuilder import env, paths
+from opbuilder.errors import OpBuilderError
 from opbuilder.jit import cache, fingerprint, registry, toolchain
 from opbuilder.jit.builder import OpBuilder
 from opbuilder.paths import INCLUDE_DIR, PACKAGE_DIR
-from opbuilder.errors import OpBuilderError
 
 # ---- facts about the cache ----------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ def stray_tmp_dirs(op_dir: Path) -> list[Path]:
     stray = []
     for path in tmp:
         key = path.name[len(cache.TMP_PREFIX):].split("-")[0]
-        if lock_held(op_dir / f"{key}.lock") is False:
+        if lock_held(paths.lock(op_dir.name, key)) is False:
             stray.append(path)
     return stray
 
@@ -298,10 +298,10 @@ def _fill(row: dict[str, Any], builder: OpBuilder, here: dict[str, Any]) -> None
 
 def collect() -> dict[str, Any]:
     """Everything the report shows, JSON-able."""
-    root = env.cache_root()
+    root = paths.root()
     here = toolchain.torch_environment()
     ops = [op_row(name, here) for name in registry.names()]
-    user_ops = {op: len(cached_keys(root / op)) for op in cached_ops(root) if op not in registry.BUILDERS}
+    user_ops = {op: len(cached_keys(paths.op_dir(op))) for op in cached_ops(root) if op not in registry.BUILDERS}
     return {
         "versions": versions(),
         "gpus": gpus(),

@@ -19,7 +19,7 @@ OPS = registry.names()
 @pytest.mark.parametrize("op", OPS)
 def test_every_registered_op_has_a_complete_record(op: str) -> None:
     record = registry.record(op)
-    module = importlib.import_module(registry.BUILTINS[op][1])
+    module = importlib.import_module(registry.RECORD_MODULE.format(op=op))
     assert isinstance(record, Record) and record.name == op
     assert record.function is getattr(module, op), "the record names the op's public function"
     # signature: named tensors over the record's axes ("..." for any leading dims)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import math
 import sys
@@ -117,7 +117,8 @@ def test_plot(relu_run: tuple[int, dict, Path], monkeypatch: pytest.MonkeyPatch,
 
 
 def test_missing_op_module_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    spec = dataclasses.replace(SPECS["softmax"], module="opbuilder.ops._no_such_op_for_bench_test")
+    spec = copy.copy(SPECS["softmax"])
+    spec.module = "opbuilder.ops._no_such_op_for_bench_test"
     monkeypatch.setitem(SPECS, "softmax", spec)
     ours, why, is_error = load_ours(spec)
     assert ours is None and not is_error and "unavailable" in why
