@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ _build: subprocess.Popen | None = None
 _build_log: Any = None
 _next_poll = 0.0
 _bound: dict[tuple[str, str], bool] = {}
+_lock = threading.RLock()  # first gradients recorded by several threads at once start one build
 
 
 def _builder() -> Any:
@@ -61,6 +63,13 @@ def load(wait: bool = True) -> bool:
     """Load the glue, building it first if needed: in this process when ``wait``, else in a child process in
     the background. Returns whether it is loaded now. Never raises: a glue that cannot be had turns the C++
     path off with one warning."""
+    if _state in ("ready", "off"):
+        return _state == "ready"
+    with _lock:
+        return _load(wait)
+
+
+def _load(wait: bool) -> bool:
     global _state, _namespace, _build, _build_log, _next_poll
     if _state in ("ready", "off"):
         return _state == "ready"
@@ -119,20 +128,26 @@ def entry(op: str, namespace: str, name: str) -> Callable[..., Any] | None:
     if _state != "ready" and not load(wait=False):
         return None
     key = (op, namespace)
-    if key not in _bound:
-        try:
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            with _disable_current_modes():  # a registration, not a computation: no dispatch mode should see it
-                getattr(torch.ops, _namespace).bind(op, namespace)
-            _bound[key] = True
-        except Exception as exc:  # noqa: BLE001 (as in load)
-            _bound[key] = False
-            warnings.warn(f"opbuilder: {op}'s gradients take the Python path: binding its C++ gradient failed: "
-                          f"{str(exc).splitlines()[0]}", FallbackWarning, stacklevel=4)
+    with _lock:
+        if key not in _bound:
+            _bind(op, namespace, key)
     if not _bound[key]:
         return None
     return getattr(getattr(torch.ops, namespace), name).grad._op
+
+
+def _bind(op: str, namespace: str, key: tuple[str, str]) -> None:
+    """Bind the glue to one loaded op's namespace; a failure leaves that op on the Python path, with a warning."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    try:
+        with _disable_current_modes():  # a registration, not a computation: no dispatch mode should see it
+            getattr(torch.ops, _namespace).bind(op, namespace)
+        _bound[key] = True
+    except Exception as exc:  # noqa: BLE001 (as in load)
+        _bound[key] = False
+        warnings.warn(f"opbuilder: {op}'s gradients take the Python path: binding its C++ gradient failed: "
+                      f"{str(exc).splitlines()[0]}", FallbackWarning, stacklevel=5)
 
 
 @contextlib.contextmanager

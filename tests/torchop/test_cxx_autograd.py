@@ -238,3 +238,14 @@ def test_matmul_backward_of_the_linear_layer_case(bias_shape: tuple | None, tran
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         assert a.stride() == b.stride()
     assert torch.autograd.gradcheck(fn, args)
+
+
+def test_calls_without_a_gradient_never_ask_for_the_glue() -> None:
+    code = ("import torch\nfrom opbuilder import cxx_autograd, ops\n"
+            "x = torch.randn(4, 8)\nops.relu(x); ops.softmax(x); ops.rms_norm(x, torch.ones(8))\n"
+            "with torch.no_grad():\n    ops.relu(x.requires_grad_())\n"
+            "print('state', cxx_autograd.state())\n"
+            "ops.relu(x)\nprint('after a gradient', cxx_autograd.state())\n")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "state new" in result.stdout and "after a gradient ready" in result.stdout, result.stdout
