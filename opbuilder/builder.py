@@ -353,11 +353,10 @@ class OpBuilder:
         Portable: no ``-march``. Named by the prebuilt key, which hashes what the library must match
         at load, so its namespace never collides with a JIT build's.
         """
-        from torch.utils.cpp_extension import CppExtension, CUDAExtension
-
         from opbuilder import prebuilt
 
         with_cuda = self.with_cuda()
+        cpp = toolchain.cpp_extension(cuda=with_cuda)
         key = prebuilt.prebuilt_key(self)
         ns_flag = f"-DOPB_NAMESPACE=opb_{self.name}_{key[:12]}"
         kwargs: dict[str, Any] = {
@@ -368,5 +367,5 @@ class OpBuilder:
         }
         cxx = [a for a in self.final_cxx_args() if not a.startswith("-march=")] + [ns_flag]
         if with_cuda:
-            return CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": self.final_nvcc_args() + [ns_flag]})
-        return CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
+            return cpp.CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": self.final_nvcc_args() + [ns_flag]})
+        return cpp.CppExtension(**kwargs, extra_compile_args={"cxx": cxx})

@@ -207,7 +207,11 @@ resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def reset(op: str | None = None) -> None:
     """Forget the choices (of one op, or all), so that the next call resolves again: after a new trace,
     or new implementations, in this process."""
+    from opbuilder import implementations
+
     for name in [op] if op else list(_ROUTERS):
+        if name not in _ROUTERS and implementations.of(name):
+            continue  # registered, not yet applied: no choice made yet, nothing to forget
         r = router(name)
         r.table, r.picks, r.default, r.default_name, r.leave_later = None, {}, _continue, "", False
         if name in BUILDERS:

@@ -58,6 +58,52 @@ def cuda_home() -> str | None:
     return _cuda_home_cached(env.cuda_home_hint(), which("nvcc"))
 
 
+class _DropMessage:
+    """A logging filter that drops records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def filter(self, record: object) -> bool:
+        return not str(getattr(record, "msg", "")).startswith(self.prefix)
+
+
+def cpp_extension(cuda: bool = False):  # -> the module torch.utils.cpp_extension
+    """``torch.utils.cpp_extension``, imported without the line it logs when torch has CUDA but no GPU is
+    visible ("No CUDA runtime is found, using CUDA_HOME=..."): opbuilder says itself what it builds and why.
+
+    For a build with CUDA (``cuda``), its toolkit is the one this module found and the key names: where
+    cpp_extension guessed another from an ``nvcc`` on PATH that is a wrapper outside the toolkit, it is
+    pointed at ours. Raises BuildError when CUDA_HOME was set to another toolkit when it was imported.
+    """
+    import logging
+    import sys
+
+    if "torch.utils.cpp_extension" not in sys.modules:
+        quiet = _DropMessage("No CUDA runtime is found")
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        logger.addFilter(quiet)
+        try:
+            from torch.utils import cpp_extension as cpp
+        finally:
+            logger.removeFilter(quiet)
+    from torch.utils import cpp_extension as cpp
+
+    home = cuda_home() if cuda else None
+    if home and (cpp.CUDA_HOME is None or os.path.realpath(cpp.CUDA_HOME) != os.path.realpath(home)):
+        if env.cuda_home_hint() is None:  # its own guess (from PATH, or none: a torch without CUDA)
+            cpp.CUDA_HOME = home
+        else:
+            from opbuilder.errors import BuildError
+
+            raise BuildError(
+                f"opbuilder: torch.utils.cpp_extension uses the CUDA toolkit {cpp.CUDA_HOME} (found when it was "
+                f"imported) but opbuilder keyed this build for {home}; set CUDA_HOME before "
+                "importing torch.utils.cpp_extension"
+            )
+    return cpp
+
+
 def nvcc_path() -> str | None:
     """The nvcc torch.utils.cpp_extension runs: PYTORCH_NVCC when set, else <CUDA home>/bin/nvcc."""
     override = env.pytorch_nvcc()
