@@ -92,7 +92,11 @@ class OpBuilder:
     def _cxx_standard(self) -> str:
         """The ABI target's standard for a stable-ABI op, else the one the installed torch's headers need.
         A ``-std=`` of the op's own flags comes later and wins."""
-        return toolchain.STABLE_CXX_STANDARD if self.abi() == "stable" else toolchain.cxx_standard()
+        if self.abi() != "stable":
+            return toolchain.cxx_standard()
+        # While stable_target() reads the op's own flags (which call this), the target is not known yet.
+        return toolchain.stable_cxx_standard(self.stable_target() if "_reading_target" not in self.__dict__ else
+                                             toolchain.STABLE_ABI_TARGET)
 
     def extra_ldflags(self) -> list[str]:
         flags = toolchain.libstdcxx_ldflags() + toolchain.openmp_flags()[1]
@@ -168,6 +172,11 @@ class OpBuilder:
             reasons.append(f"C++ compiler {env.cxx_compiler()!r} not found on PATH (set CXX)")
         if not any(p.suffix not in CUDA_SUFFIXES for p in self.all_sources()) and not self.with_cuda():
             reasons.append(f"the op has only CUDA sources and {self.cuda_skip_reason()}")
+        if self.abi() == "stable":
+            try:
+                self.stable_target()
+            except (IncompatibleOpError, ValueError) as exc:
+                reasons.append(str(exc))
         return reasons
 
     def is_compatible(self, verbose: bool = False) -> bool:
@@ -186,14 +195,48 @@ class OpBuilder:
 
     def final_cxx_args(self) -> list[str]:
         args = self._composed(OpBuilder.cxx_args(self), self.cxx_args())
-        return args + self._abi_flags() + _DEBUG_CXX.get(env.debug(), []) + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
+        return args + self._abi_flags(args) + _DEBUG_CXX.get(env.debug(), []) + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
 
     def final_nvcc_args(self) -> list[str]:
         args = self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
-        return args + self._abi_flags() + _DEBUG_NVCC.get(env.debug(), [])
+        return args + self._abi_flags(args) + _DEBUG_NVCC.get(env.debug(), [])
 
-    def _abi_flags(self) -> list[str]:
-        return toolchain.stable_abi_flags() if self.abi() == "stable" else []
+    def _abi_flags(self, args: list[str]) -> list[str]:
+        """-DOPB_STABLE_ABI and the stable API target, unless ``args`` (the op's own) already name one."""
+        if self.abi() != "stable":
+            return []
+        flags = toolchain.stable_abi_flags(self.stable_target())
+        return flags[:1] if toolchain.declared_target(args) else flags
+
+    def stable_target(self) -> tuple[int, int]:
+        """The (major, minor) of the oldest torch a stable-ABI build of this op serves: the op's own
+        ``-DTORCH_TARGET_VERSION=...`` in ``cxx_args()``/``nvcc_args()`` (for the later stable API it
+        needs), else torch 2.10. Raises ValueError for a value that is not a version, and
+        IncompatibleOpError for a target above the installed torch, whose headers lack that API."""
+        return self._stable_target
+
+    @cached_property
+    def _stable_target(self) -> tuple[int, int]:
+        self.__dict__["_reading_target"] = True
+        try:
+            declared = toolchain.declared_target(self.cxx_args())
+            if declared is None and any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
+                declared = toolchain.declared_target(self.nvcc_args())
+        finally:
+            del self.__dict__["_reading_target"]
+        if declared is None:
+            return toolchain.STABLE_ABI_TARGET
+        installed = toolchain.torch_version()
+        if declared > installed:
+            import torch
+
+            raise IncompatibleOpError(
+                f"op {self.name!r} asks for the stable API of torch {declared[0]}.{declared[1]} "
+                f"(-DTORCH_TARGET_VERSION in its flags), but torch {torch.__version__} is installed: its headers "
+                f"do not have that API and the library would not load here. Install torch "
+                f">= {declared[0]}.{declared[1]}, or target {installed[0]}.{installed[1]} or older"
+            )
+        return declared
 
     def abi(self) -> str:
         """"stable" or "classic": how the op's binary depends on torch (see ``ABI``)."""
@@ -250,7 +293,8 @@ class OpBuilder:
             "nvcc_args": self.final_nvcc_args() if with_cuda else [],
             "ldflags": self.final_ldflags(),
             "python_module": self.is_python_module(),
-            **toolchain.abi_environment(self.abi() == "stable"),
+            **toolchain.abi_environment(self.abi() == "stable", self.stable_target() if self.abi() == "stable"
+                                        else toolchain.STABLE_ABI_TARGET),
             "cxx": toolchain.compiler_identity(cxx) if cxx else None,
             "nvcc": toolchain.compiler_identity(nvcc) if nvcc else None,
             "nvcc_host": toolchain.compiler_identity(host) if host else None,
@@ -299,7 +343,7 @@ class OpBuilder:
 
     def refresh(self) -> None:
         """Forget the key worked out so far: the next ``key`` reads the files again."""
-        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi"):
+        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi", "_stable_target"):
             self.__dict__.pop(name, None)
 
     def load(self, verbose: bool = False) -> Any:

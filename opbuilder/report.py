@@ -127,8 +127,13 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
     inputs = manifest.get("inputs")
     if not isinstance(inputs, dict):
         return "its manifest records no key inputs"
-    if str(inputs.get("abi", "")).startswith("stable"):  # serves every torch of its ABI range
-        here = toolchain.abi_environment(True)
+    abi = str(inputs.get("abi", ""))
+    if abi.startswith("stable"):  # serves every torch of its ABI range: from its target on
+        major, _, minor = abi.removeprefix("stable-").partition(".")
+        target = (int(major), int(minor)) if major.isdigit() and minor.isdigit() else toolchain.STABLE_ABI_TARGET
+        if target > toolchain.torch_version():
+            return f"built for the stable API of torch {target[0]}.{target[1]}, newer than this torch"
+        here = toolchain.abi_environment(True, target)
     for name, value in here.items():
         if inputs.get(name) != value:
             return f"built for {name} {inputs.get(name)}, this environment has {value}"

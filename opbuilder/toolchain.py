@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -343,26 +344,75 @@ STABLE_ABI_TARGET = (2, 10)
 STABLE_CXX_STANDARD = "-std=c++17"
 
 
-def stable_abi_flags() -> list[str]:
-    """Flags of a stable-ABI build: the headers expose only what torch 2.10 already had."""
-    major, minor = STABLE_ABI_TARGET
-    return ["-DOPB_STABLE_ABI", f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"]
+def stable_abi_flags(target: tuple[int, int] = STABLE_ABI_TARGET) -> list[str]:
+    """Flags of a stable-ABI build: the headers expose only what torch ``target`` already had."""
+    return ["-DOPB_STABLE_ABI", target_version_flag(target)]
 
 
-def abi_environment(stable: bool) -> dict[str, object]:
+def target_version_flag(target: tuple[int, int]) -> str:
+    major, minor = target
+    return f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"
+
+
+def stable_cxx_standard(target: tuple[int, int] = STABLE_ABI_TARGET) -> str:
+    """The C++ standard of a stable-ABI build for torch ``target`` and later: that torch's own
+    (C++17 up to 2.12, C++20 from 2.13 on), whatever torch is installed."""
+    return "-std=c++20" if target >= (2, 13) else STABLE_CXX_STANDARD
+
+
+_TARGET_DEFINE = "-DTORCH_TARGET_VERSION="
+_TARGET_NAMED = re.compile(r"TORCH_VERSION_(\d+)_(\d+)_\d+")
+
+
+def declared_target(flags: list[str]) -> tuple[int, int] | None:
+    """The stable API a user's own ``-DTORCH_TARGET_VERSION=...`` asks for (the last one wins, as in the
+    compiler), as (major, minor); None when the flags set none. Raises ValueError on a value that is not
+    torch's encoding (``0x020c000000000000``, or a name such as ``TORCH_VERSION_2_12_0``)."""
+    value = None
+    for flag in flags:
+        if flag.startswith(_TARGET_DEFINE):
+            value = flag[len(_TARGET_DEFINE):].strip()
+        elif flag in ("-DTORCH_TARGET_VERSION", "-UTORCH_TARGET_VERSION"):
+            value = None if flag.startswith("-U") else ""
+    if value is None:
+        return None
+    named = _TARGET_NAMED.fullmatch(value)
+    if named:
+        return int(named.group(1)), int(named.group(2))
+    try:
+        number = int(value.removesuffix("ULL").removesuffix("ull"), 0)
+    except ValueError:
+        number = 0
+    if number >> 56 <= 0:
+        raise ValueError(
+            f"-DTORCH_TARGET_VERSION: expected torch's encoding of a version, e.g. "
+            f"{target_version_flag((2, 12))} or {_TARGET_DEFINE}TORCH_VERSION_2_12_0 for torch 2.12, got {value!r}"
+        )
+    return (number >> 56) & 0xFF, (number >> 48) & 0xFF
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor)."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return major, minor
+
+
+def abi_environment(stable: bool, target: tuple[int, int] = STABLE_ABI_TARGET) -> dict[str, object]:
     """What a build's binary depends on in torch and Python.
 
     A classic op (ATen, ``torch/library.h``, pybind11) depends on the exact torch build and Python ABI.
     A stable-ABI op calls only torch's stable C shim and no Python API: it depends on the ABI target
-    and on torch's CUDA major version (the CUDA runtime it shares with torch), so a torch upgrade
-    within the range reuses it.
+    (torch 2.10 unless the op asks for a later one) and on torch's CUDA major version (the CUDA runtime
+    it shares with torch), so a torch upgrade within the range reuses it.
     """
     if not stable:
         return {"abi": "classic", **torch_environment()}
     import torch
 
     cuda = torch.version.cuda
-    return {"abi": "stable-{}.{}".format(*STABLE_ABI_TARGET), "torch_cuda": cuda.split(".")[0] if cuda else None}
+    return {"abi": "stable-{}.{}".format(*target), "torch_cuda": cuda.split(".")[0] if cuda else None}
 
 
 def torch_environment() -> dict[str, object]:
@@ -385,10 +435,7 @@ def torch_environment() -> dict[str, object]:
 @functools.lru_cache(maxsize=None)
 def cxx_standard() -> str:
     """The C++ standard torch's headers need: C++20 from torch 2.13 on, C++17 before."""
-    import torch
-
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
+    return "-std=c++20" if torch_version() >= (2, 13) else "-std=c++17"
 
 
 def cxx_path() -> str | None:

@@ -34,3 +34,100 @@ def test_cpp_extension_is_imported_quietly_and_uses_the_toolkit_opbuilder_keys(t
     homes = next(line for line in result.stdout.splitlines() if line.startswith("HOMES")).split()[1:]
     assert homes[0] == homes[1], homes
     assert shutil.which("nvcc", path=str(wrapper.parent)) == str(wrapper)
+
+
+# ---- a user's own op, written in a temporary project --------------------------------------------------
+
+BUILDER = '''
+from opbuilder import OpBuilder
+
+
+class Builder(OpBuilder):
+    NAME = {name!r}
+    ABI = {abi!r}
+
+    def sources(self):
+        return {sources!r}
+
+    def cxx_args(self):
+        return super().cxx_args() + {cxx!r}
+'''
+
+
+def user_builder(project: Path, name: str, files: dict[str, str], cxx: list[str] | None = None,
+                 sources: list[str] | None = None, abi: str | None = None, module: str | None = None):
+    """A builder object of the op ``name`` whose files (``files``: path under ``project`` -> text) are
+    written under ``project``, its builder module beside them (``sources``: default, the .cpp/.cu files)."""
+    import importlib.util
+    import sys
+
+    for rel, text in files.items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(text)
+    sources = sources if sources is not None else [f for f in files if f.endswith((".cpp", ".cu"))]
+    module = module or f"{name}_builder"
+    path = project / f"{module}.py"
+    path.write_text(BUILDER.format(name=name, abi=abi, sources=sources, cxx=cxx or []))
+    spec = importlib.util.spec_from_file_location(f"{module}_{abs(hash(str(project)))}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.Builder()
+
+
+TAGGED = '''
+#include <opbuilder/stable.h>
+
+using opb::Tensor;
+
+Tensor twice(const Tensor& x) {
+  Tensor xc = torch::stable::contiguous(x);
+  Tensor y = opb::new_output(xc);
+  const float* in = static_cast<const float*>(xc.data_ptr());
+  float* out = static_cast<float*>(y.data_ptr());
+  for (int64_t i = 0; i < xc.numel(); ++i) out[i] = 2 * in[i];
+  return y;
+}
+
+// def(schema, tags): the stable API of torch 2.12 (as PyTorch's own libtorch_agn_2_12 test extension uses it)
+OPB_LIBRARY(m) { m.def("twice(Tensor x) -> Tensor", {torch::headeronly::Tag::pointwise}); }
+OPB_LIBRARY_IMPL(CPU, m) { m.impl("twice", TORCH_BOX(&twice)); }
+'''
+
+
+@pytest.mark.skipif(toolchain.torch_version() < (2, 12), reason="the 2.12 stable API needs torch >= 2.12")
+def test_a_users_torch_target_version_wins_and_keys_the_build(tmp_path: Path) -> None:
+    import torch
+
+    flag = "-DTORCH_TARGET_VERSION=0x020c000000000000"
+    builder = user_builder(tmp_path, "tagged_twice", {"csrc/tagged.cpp": TAGGED}, cxx=[flag])
+    assert builder.abi() == "stable" and builder.stable_target() == (2, 12)
+    cxx = builder.final_cxx_args()
+    assert [a for a in cxx if a.startswith("-DTORCH_TARGET_VERSION")] == [flag], cxx
+    assert builder.key_inputs()["abi"] == "stable-2.12"
+    op = builder.load().twice
+    x = torch.randn(5)
+    torch.testing.assert_close(op(x), x * 2, rtol=0, atol=0)
+    assert torch.Tag.pointwise in op.default.tags
+    # The same op without the flag targets 2.10 (and then lacks def(schema, tags)): another key.
+    plain = user_builder(tmp_path / "plain", "tagged_twice", {"csrc/tagged.cpp": TAGGED})
+    assert plain.key_inputs()["abi"] == "stable-2.10" and plain.key != builder.key
+
+
+def test_a_target_above_the_installed_torch_is_a_clear_error(tmp_path: Path) -> None:
+    from opbuilder.errors import IncompatibleOpError
+
+    major, minor = toolchain.torch_version()
+    later = toolchain.target_version_flag((major, minor + 1))
+    builder = user_builder(tmp_path, "tagged_twice", {"csrc/tagged.cpp": TAGGED}, cxx=[later])
+    with pytest.raises(IncompatibleOpError, match=rf"stable API of torch {major}\.{minor + 1} .* is installed"):
+        builder.load()
+    assert not builder.is_compatible()
+    bad = user_builder(tmp_path / "bad", "tagged_twice", {"csrc/tagged.cpp": TAGGED},
+                       cxx=["-DTORCH_TARGET_VERSION=2.12"])
+    with pytest.raises(ValueError, match=r"TORCH_TARGET_VERSION: expected .*0x020c000000000000.* got '2.12'"):
+        bad.key  # noqa: B018
+    named = user_builder(tmp_path / "named", "tagged_twice", {"csrc/tagged.cpp": TAGGED},
+                         cxx=["-DTORCH_TARGET_VERSION=TORCH_VERSION_2_11_0"])
+    assert named.stable_target() == (2, 11)
