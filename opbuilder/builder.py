@@ -6,12 +6,13 @@ A subclass declares (``NAME``, ``sources()``, maybe ``include_paths()``, ``cxx_a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from functools import cached_property
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from opbuilder import env, fingerprint, loader, toolchain
@@ -92,11 +93,11 @@ class OpBuilder:
     def _cxx_standard(self) -> str:
         """The ABI target's standard for a stable-ABI op, else the one the installed torch's headers need.
         A ``-std=`` of the op's own flags comes later and wins."""
+        if "_reading_flags" in self.__dict__:  # abi() or stable_target() reads the op's own flags: not known yet
+            return toolchain.STABLE_CXX_STANDARD
         if self.abi() != "stable":
             return toolchain.cxx_standard()
-        # While stable_target() reads the op's own flags (which call this), the target is not known yet.
-        return toolchain.stable_cxx_standard(self.stable_target() if "_reading_target" not in self.__dict__ else
-                                             toolchain.STABLE_ABI_TARGET)
+        return toolchain.stable_cxx_standard(self.stable_target())
 
     def extra_ldflags(self) -> list[str]:
         flags = toolchain.libstdcxx_ldflags() + toolchain.openmp_flags()[1]
@@ -208,6 +209,17 @@ class OpBuilder:
         flags = toolchain.stable_abi_flags(self.stable_target())
         return flags[:1] if toolchain.declared_target(args) else flags
 
+    @contextlib.contextmanager
+    def _reading_own_flags(self) -> Iterator[None]:
+        """While abi() or stable_target() read the op's own flags, whose -std= depends on them."""
+        outer = "_reading_flags" in self.__dict__
+        self.__dict__["_reading_flags"] = True
+        try:
+            yield
+        finally:
+            if not outer:
+                self.__dict__.pop("_reading_flags", None)
+
     def stable_target(self) -> tuple[int, int]:
         """The (major, minor) of the oldest torch a stable-ABI build of this op serves: the op's own
         ``-DTORCH_TARGET_VERSION=...`` in ``cxx_args()``/``nvcc_args()`` (for the later stable API it
@@ -217,13 +229,10 @@ class OpBuilder:
 
     @cached_property
     def _stable_target(self) -> tuple[int, int]:
-        self.__dict__["_reading_target"] = True
-        try:
+        with self._reading_own_flags():
             declared = toolchain.declared_target(self.cxx_args())
             if declared is None and any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
                 declared = toolchain.declared_target(self.nvcc_args())
-        finally:
-            del self.__dict__["_reading_target"]
         if declared is None:
             return toolchain.STABLE_ABI_TARGET
         installed = toolchain.torch_version()
@@ -258,6 +267,27 @@ class OpBuilder:
                 continue
         stable = any(marker in text for text in texts for marker in _STABLE_MARKERS)
         classic = any(marker in text for text in texts for marker in _CLASSIC_MARKERS)
+        if stable and classic:
+            # Both kinds of include are written, as in ``#if ...`` stable ``#else`` classic ``#endif`` (Hugging
+            # Face kernel-builder's registration.h): ask the preprocessor which branch the op's flags take.
+            return self._preprocessed_abi() or "classic"
+        return "stable" if stable else "classic"
+
+    def _preprocessed_abi(self) -> str | None:
+        """"stable" or "classic" from the headers the preprocessor includes under the op's own flags (only
+        theirs: a macro opbuilder adds for a stable build cannot decide that the build is stable); None
+        when it cannot tell."""
+        include_dirs = [str(p) for p in self._include_dirs()]
+        found: list[str] = []
+        with self._reading_own_flags():
+            for source in self.all_sources():
+                declared = self.nvcc_args() if source.suffix in CUDA_SUFFIXES else self.cxx_args()
+                headers = toolchain.included_headers(str(source), declared, include_dirs)
+                if headers is None:
+                    return None
+                found += headers
+        stable = any(marker.decode() in h for h in found for marker in _STABLE_MARKERS)
+        classic = any(marker.decode().strip("<") in h for h in found for marker in _CLASSIC_MARKERS)
         return "stable" if stable and not classic else "classic"
 
     def final_ldflags(self) -> list[str]:

@@ -220,6 +220,36 @@ def _ask(path: str, args: list[str], last: bool = False) -> str:
     return lines[-1] if last else lines[0]
 
 
+#: Options of an op's own flags that change what the preprocessor includes.
+_PREPROCESSOR_OPTIONS = ("-D", "-U", "-I", "-std=", "-include", "-isystem", "-iquote")
+
+
+def included_headers(source: str, flags: list[str], include_dirs: list[str]) -> list[str] | None:
+    """The headers ``source`` includes as the preprocessor sees them (``#if`` branches taken by ``flags``'
+    macros), without reading torch's or CUDA's headers: those are not on the include path here, so they
+    appear by the name they were included with (``torch/library.h``). A ``.cu`` file is read as nvcc's
+    host pass reads it. None when the C++ compiler is missing or cannot read the file."""
+    cxx = cxx_path()
+    if cxx is None:
+        return None
+    kept: list[str] = []
+    for i, flag in enumerate(flags):
+        if flag.startswith(_PREPROCESSOR_OPTIONS):
+            kept.append(flag)
+            if flag in ("-D", "-U", "-I", "-include", "-isystem", "-iquote") and i + 1 < len(flags):
+                kept.append(flags[i + 1])
+    cuda = ["-x", "c++", "-D__CUDACC__", "-D__NVCC__"] if source.endswith(".cu") else []
+    cmd = [cxx, *cuda, *kept, *(f"-I{d}" for d in include_dirs), "-M", "-MG", source]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    deps = out.stdout.replace("\\\n", " ").partition(":")[2].split()
+    return [d for d in deps if d != "\\" and d != source]
+
+
 def libstdcxx_ldflags() -> list[str]:
     """Link flags that make an op use the shared C++ runtime torch itself uses.
 

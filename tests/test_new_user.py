@@ -131,3 +131,78 @@ def test_a_target_above_the_installed_torch_is_a_clear_error(tmp_path: Path) -> 
     named = user_builder(tmp_path / "named", "tagged_twice", {"csrc/tagged.cpp": TAGGED},
                          cxx=["-DTORCH_TARGET_VERSION=TORCH_VERSION_2_11_0"])
     assert named.stable_target() == (2, 11)
+
+
+# ---- bindings written as third-party projects write them -----------------------------------------------
+
+# Our own small version of the pattern of Hugging Face kernel-builder's generated registration.h (as in
+# kernels-community's activation): one branch includes the stable headers, the other torch/library.h, and the
+# library registers under TORCH_EXTENSION_NAME (the op's name), not under opbuilder's keyed namespace.
+REGISTRATION = '''
+#pragma once
+#if defined(MY_STABLE_BUILD)
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#define MY_LIBRARY_EXPAND(NAME, m) STABLE_TORCH_LIBRARY(NAME, m)
+#define MY_LIBRARY_IMPL_EXPAND(NAME, k, m) STABLE_TORCH_LIBRARY_IMPL(NAME, k, m)
+#else
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#define MY_LIBRARY_EXPAND(NAME, m) TORCH_LIBRARY(NAME, m)
+#define MY_LIBRARY_IMPL_EXPAND(NAME, k, m) TORCH_LIBRARY_IMPL(NAME, k, m)
+#endif
+'''
+
+BRANCHED = '''
+#include "registration.h"
+
+#if defined(MY_STABLE_BUILD)
+using torch::stable::Tensor;
+Tensor triple(const Tensor& x) {
+  Tensor xc = torch::stable::contiguous(x);
+  Tensor y = torch::stable::empty_like(xc);
+  const float* in = static_cast<const float*>(xc.data_ptr());
+  float* out = static_cast<float*>(y.data_ptr());
+  for (int64_t i = 0; i < xc.numel(); ++i) out[i] = 3 * in[i];
+  return y;
+}
+#define MY_FN TORCH_BOX(&triple)
+#else
+at::Tensor triple(const at::Tensor& x) { return x * 3; }
+#define MY_FN &triple
+#endif
+
+MY_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, m) { m.def("triple(Tensor x) -> Tensor"); }
+MY_LIBRARY_IMPL_EXPAND(TORCH_EXTENSION_NAME, CPU, m) { m.impl("triple", MY_FN); }
+'''
+
+
+def test_the_abi_follows_the_branch_the_preprocessor_takes_and_load_returns_the_ops_namespace(tmp_path: Path) -> None:
+    import torch
+
+    files = {"csrc/registration.h": REGISTRATION, "csrc/binding.cpp": BRANCHED}
+    name = "kb_triple"
+    stable = user_builder(tmp_path / "stable", name, files, cxx=["-DMY_STABLE_BUILD"])
+    assert stable.abi() == "stable" and stable.key_inputs()["abi"] == "stable-2.10"
+    classic = user_builder(tmp_path / "classic", name, files)
+    assert classic.abi() == "classic" and classic.key_inputs()["abi"] == "classic"
+    # Built on the stable headers, registered under TORCH_EXTENSION_NAME: load() returns that namespace.
+    ops = stable.load()
+    assert ops is getattr(torch.ops, name), ops
+    x = torch.randn(6)
+    torch.testing.assert_close(ops.triple(x), x * 3, rtol=0, atol=0)
+
+
+def test_load_returns_the_ops_of_a_library_registered_under_a_literal_namespace(tmp_path: Path) -> None:
+    import torch
+
+    # An older opbuilder's documented form: OPB_NAMESPACE is no longer defined, so the library registers under
+    # the literal name "OPB_NAMESPACE".
+    source = TAGGED.split("// def(schema, tags)")[0] + (
+        'STABLE_TORCH_LIBRARY(OPB_NAMESPACE, m) { m.def("clampy(Tensor x) -> Tensor"); }\n'
+        'STABLE_TORCH_LIBRARY_IMPL(OPB_NAMESPACE, CPU, m) { m.impl("clampy", TORCH_BOX(&twice)); }\n')
+    ops = user_builder(tmp_path, "clampy", {"csrc/clampy.cpp": source}).load()
+    assert ops is torch.ops.OPB_NAMESPACE
+    x = torch.randn(4)
+    torch.testing.assert_close(ops.clampy(x), x * 2, rtol=0, atol=0)
