@@ -185,7 +185,7 @@ class OpBuilder:
         if verbose:
             for reason in reasons:
                 log.warning("%s is not compatible: %s", self.name, reason)
-            if not reasons and not self.with_cuda():
+            if not reasons and not self.with_cuda() and any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
                 log.warning("%s: building the CPU part only: %s", self.name, self.cuda_skip_reason())
         return not reasons
 

@@ -178,7 +178,8 @@ def _resolve(op: str) -> bool:
 
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
-        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
+        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning,
+                      stacklevel=_callers_level())
     picks = {_flat(where): name for where, name in picks.items()}
     r.picks, r.default_name, r.default = picks, default_name, default
     r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
@@ -192,6 +193,20 @@ def _resolve(op: str) -> bool:
             ROUTES.pop(op, None)
         return False
     return True
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside opbuilder (its functions in ``opbuilder.ops`` too) and
+    outside torch's compiler: the user's line that called the op, for a warning to point at."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "opbuilder" or module.startswith(("opbuilder.", "torch._dynamo", "torch._inductor"))):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def _tracing() -> bool:

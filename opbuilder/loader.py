@@ -74,7 +74,7 @@ def _load_python_module(name: str, via: str, artifact: Path) -> Any:
         raise ImportError(f"cannot load {artifact} as module {name}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.__file__ = str(artifact)  # where it lives, for people reading tracebacks
+    module.__file__ = spec.origin = str(artifact)  # where it lives (repr, tracebacks), not /proc/self/fd/N
     sys.modules[name] = module
     return module
 

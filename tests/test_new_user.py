@@ -206,3 +206,74 @@ def test_load_returns_the_ops_of_a_library_registered_under_a_literal_namespace(
     assert ops is torch.ops.OPB_NAMESPACE
     x = torch.randn(4)
     torch.testing.assert_close(ops.clampy(x), x * 2, rtol=0, atol=0)
+
+
+# ---- smaller things a new user sees ---------------------------------------------------------------------
+
+USER_SCRIPT = '''
+import warnings
+import torch
+import opbuilder.ops as ops
+from opbuilder.errors import FallbackWarning
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ops.relu(torch.randn(4))  # the user's line
+found = [w for w in caught if issubclass(w.category, FallbackWarning)]
+print("WARNED", len(found), found[0].filename, found[0].lineno)
+'''
+
+
+def test_fallback_warning_points_at_the_users_call(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    result = run_python(f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))",
+                        env={"PATH": str(empty), "CXX": "", "OPB_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("WARNED"))
+    _, count, filename, lineno = line.split()
+    user_line = USER_SCRIPT.splitlines().index("    ops.relu(torch.randn(4))  # the user's line") + 1
+    assert (count, filename, int(lineno)) == ("1", str(script), user_line), line
+
+
+def test_a_refused_cache_gets_nothing_written_into_it(tmp_path: Path) -> None:
+    import stat
+
+    from userop import load_snippet, write_user_op
+
+    root = tmp_path / "open-cache"
+    root.mkdir()
+    root.chmod(0o777)  # writable by others, not sticky: refused
+    op = write_user_op(tmp_path / "proj")
+    result = run_python(load_snippet(op), env={"OPB_CACHE_DIR": str(root)})
+    assert result.returncode != 0 and "CacheError" in result.stderr, result.stderr[-2000:]
+    assert f"refusing to use {root}" in result.stderr, result.stderr[-2000:]
+    assert sorted(p.name for p in root.iterdir()) == [], "a refused cache was written into"
+    assert stat.S_IMODE(root.stat().st_mode) == 0o777
+
+
+PYBIND_SOURCE = '''
+#include <pybind11/pybind11.h>
+
+int add_one(int x) { return x + 1; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add_one", &add_one); }
+'''
+
+
+def test_a_python_modules_repr_names_its_file_in_the_cache(tmp_path: Path) -> None:
+    builder = user_builder(tmp_path, "pyb_add_one", {"csrc/add_one.cpp": PYBIND_SOURCE})
+    module = builder.load()
+    assert module.add_one(41) == 42
+    assert "/proc/self/fd" not in repr(module), repr(module)
+    assert str(module.__file__) in repr(module) and module.__spec__.origin == module.__file__
+
+
+def test_verbose_says_nothing_about_cuda_for_an_op_without_cuda_sources(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    builder = user_builder(tmp_path, "cpu_only_twice", {"csrc/tagged.cpp": TAGGED.split("// def(schema")[0]})
+    with caplog.at_level("WARNING", logger="opbuilder"):
+        assert builder.is_compatible(verbose=True)
+    assert caplog.records == [], [r.getMessage() for r in caplog.records]
