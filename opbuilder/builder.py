@@ -143,7 +143,18 @@ class OpBuilder:
     def file_digests(self, with_cuda: bool = True) -> dict[str, str]:
         """sha256 of each source a build compiles and of every project header they include."""
         files = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs())
-        return fingerprint.digest_files(files, [self.source_root(), INCLUDE_DIR])
+        return fingerprint.digest_files(files, self.digest_roots())
+
+    def digest_roots(self) -> list[Path]:
+        """What the key names files relative to (``fingerprint.ROOT_LABELS``): the builder's folder,
+        opbuilder's headers, and the project: the folder holding the builder's folder, every source and
+        every include path given relative to it (``../csrc`` as in PyTorch's layout). Moving or copying the
+        project elsewhere keeps its keys; only a file outside all three is named by its absolute path."""
+        root = self.source_root()
+        inside = [os.path.dirname(p) for p in self.all_sources()]
+        inside += [str(p) for p, rel in zip(self._resolve(self.include_paths()), self.include_paths())
+                   if not os.path.isabs(rel)]
+        return [root, INCLUDE_DIR, Path(os.path.commonpath([str(root), *inside]))]
 
     def cuda_skip_reason(self) -> str | None:
         """Why the CUDA sources will not be built here, or None when they will be."""
@@ -368,7 +379,7 @@ class OpBuilder:
             archs=self.cuda_archs() if with_cuda else [],
             inputs=inputs,
             project_files=[str(p) for p in fingerprint.project_files(sources, self._include_dirs())],
-            digest_roots=[str(self.source_root()), str(INCLUDE_DIR)],
+            digest_roots=[str(p) for p in self.digest_roots()],
         )
 
     def refresh(self) -> None:

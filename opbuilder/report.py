@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opbuilder import cache, env, fingerprint, registry, toolchain
-from opbuilder.builder import INCLUDE_DIR, PACKAGE_DIR, OpBuilder
+from opbuilder.builder import PACKAGE_DIR, OpBuilder
 from opbuilder.errors import OpBuilderError
 
 # ---- facts about the cache ----------------------------------------------------------------------
@@ -147,7 +147,7 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
         if inputs.get("builder_version") != builder.VERSION:
             return f"built by builder VERSION {inputs.get('builder_version')}, the op's is now {builder.VERSION}"
         files = fingerprint.project_files(builder.all_sources(), builder._include_dirs())
-        current = fingerprint.digest_files(files, [builder.source_root(), INCLUDE_DIR])
+        current = fingerprint.digest_files(files, builder.digest_roots())
         changed = sorted(n for n, digest in (inputs.get("files") or {}).items() if current.get(n) != digest)
         if changed:
             return f"its sources changed since ({', '.join(changed[:3])})"

@@ -277,3 +277,52 @@ def test_verbose_says_nothing_about_cuda_for_an_op_without_cuda_sources(tmp_path
     with caplog.at_level("WARNING", logger="opbuilder"):
         assert builder.is_compatible(verbose=True)
     assert caplog.records == [], [r.getMessage() for r in caplog.records]
+
+
+# ---- a project moved or copied elsewhere ----------------------------------------------------------------
+
+
+def test_a_project_with_sources_beside_the_builders_folder_keeps_its_key_when_moved(tmp_path: Path) -> None:
+    # PyTorch's layout: the builder in python/, the sources in ../csrc, a header in ../include.
+    files = {"../csrc/twice.cpp": '#include "twice.h"\n' + TAGGED.split("// def(schema")[0].replace(
+                 "2 * in[i]", "kTwice * in[i]") + 'OPB_LIBRARY(m) { m.def("twice(Tensor x) -> Tensor"); }\n',
+             "../include/twice.h": "#pragma once\nconstexpr float kTwice = 2.0f;\n"}
+    a = user_builder(tmp_path / "a" / "python", "moved_twice", files, sources=["../csrc/twice.cpp"])
+    a.include_paths = lambda: ["../include"]  # type: ignore[method-assign]
+    a.refresh()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    b = user_builder(tmp_path / "b" / "python", "moved_twice", {}, sources=["../csrc/twice.cpp"])
+    b.include_paths = lambda: ["../include"]  # type: ignore[method-assign]
+    b.refresh()
+    names = sorted(a.key_inputs()["files"])
+    assert names[-2:] == ["project/csrc/twice.cpp", "project/include/twice.h"], names
+    assert b.key_inputs()["files"] == a.key_inputs()["files"] and b.key == a.key
+    # An edit in the copy is named as the reason for its build; the old names of the same bytes are not.
+    (tmp_path / "b" / "include" / "twice.h").write_text("#pragma once\nconstexpr float kTwice = 3.0f;\n")
+    b.refresh()
+    assert b.key != a.key
+
+
+def test_the_reason_for_a_build_is_a_change_of_content_not_of_name(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import time
+
+    from opbuilder import build, cache
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    old = {f"/old/place/csrc/f{i}.cpp": f"{i:064x}" for i in range(13)}
+    (tmp_path / "cache" / "op" / "k1").mkdir(parents=True)
+    (tmp_path / "cache" / "op" / "k1" / cache.MANIFEST).write_text(
+        json.dumps({"inputs": {"files": old}, "build_started": time.time()}))
+
+    def reason(files: dict[str, str]) -> str:
+        spec = build.BuildSpec(op="op", key="k2", name="op", namespace="ns", python_module=False, sources=[],
+                               include_paths=[], cxx_args=[], nvcc_args=[], ldflags=[], with_cuda=False, archs=[],
+                               inputs={"files": files})
+        return build._reason(spec, cache.Slot("op", "k2"))
+
+    moved = {k.replace("/old/place", "/new/place"): v for k, v in old.items()}
+    assert reason(moved).startswith("the same files under other paths"), reason(moved)
+    edited = dict(moved, **{"/new/place/csrc/f3.cpp": "e" * 64})
+    assert reason(edited) == "f3.cpp changed"
