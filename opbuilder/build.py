@@ -48,6 +48,7 @@ class BuildSpec:
     project_files: list[str] = field(default_factory=list)  # sources and the headers they include
     digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
+    skipped: str | None = None  # sources left out of this build and why ("kernel.cu: torch was built without CUDA")
 
 
 _SAY_LOCK = threading.Lock()
@@ -102,7 +103,7 @@ def _load_failure(spec: BuildSpec, artifact: Path, exc: BaseException) -> str:
         return (
             f"opbuilder: op {spec.op!r} compiled, but its library does not load: it uses {symbol}, which no "
             f"source of the op and no library it links defines (declared but not defined? a source missing "
-            f"from sources()?). Library: {artifact}"
+            f"from sources()?). Library: {artifact}" + (f"\nNot built here: {spec.skipped}" if spec.skipped else "")
         )
     return f"opbuilder: op {spec.op!r} compiled, but its library does not load: {text}"
 

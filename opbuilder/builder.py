@@ -121,8 +121,27 @@ class OpBuilder:
 
     # ---- what the base class works out -------------------------------------------------------
 
+    #: Set on the copy ``for_cuda_check`` makes: the archs its CUDA part is compiled for, torch's CUDA or not.
+    _check_archs: list[str] | None = None
+
     def cuda_archs(self) -> list[str]:
-        return toolchain.cuda_archs()
+        return list(self._check_archs) if self._check_archs is not None else toolchain.cuda_archs()
+
+    def for_cuda_check(self, archs: list[str] | None = None) -> OpBuilder:
+        """A copy of this builder whose CUDA sources are compiled even where torch was built without CUDA or
+        no GPU is visible (CI): for ``archs`` (default: TORCH_CUDA_ARCH_LIST). Only for compiling
+        (``opbuilder.compile_check``, ``opbuilder compile-commands --cuda-arch``): a CPU-only torch has no CUDA
+        libraries to link. Raises IncompatibleOpError saying why when the CUDA part still cannot be compiled
+        here (no CUDA sources, no nvcc, no archs, a CUDA library missing)."""
+        import copy
+
+        checker = copy.copy(self)
+        checker.__dict__ = {k: v for k, v in self.__dict__.items() if k not in self._CACHED}
+        checker._check_archs = toolchain.parse_arch_list(";".join(archs)) if archs else toolchain.cuda_archs_from_env()
+        reason = checker.cuda_skip_reason()
+        if reason is not None:
+            raise IncompatibleOpError(f"op {self.name!r}: cannot compile its CUDA part here: {reason}")
+        return checker
 
     def _resolve(self, paths: list[str]) -> list[Path]:
         root = str(self.source_root())
@@ -160,11 +179,13 @@ class OpBuilder:
         """Why the CUDA sources will not be built here, or None when they will be."""
         if not any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
             return "the op has no CUDA sources"
-        if toolchain.torch_cuda_version() is None:
+        if toolchain.torch_cuda_version() is None and self._check_archs is None:
             return "torch was built without CUDA"
         if toolchain.nvcc_path() is None:
             return "nvcc not found (set CUDA_HOME)"
         if not self.cuda_archs():
+            if self._check_archs is not None:
+                return "no CUDA arch to compile for: set TORCH_CUDA_ARCH_LIST (e.g. 9.0) or pass the archs"
             return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
         missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
         if missing:
@@ -380,11 +401,21 @@ class OpBuilder:
             inputs=inputs,
             project_files=[str(p) for p in fingerprint.project_files(sources, self._include_dirs())],
             digest_roots=[str(p) for p in self.digest_roots()],
+            skipped=self._skipped_sources(with_cuda),
         )
+
+    def _skipped_sources(self, with_cuda: bool) -> str | None:
+        """The CUDA sources a CPU-only build leaves out, and why (said when the library then lacks a symbol)."""
+        cuda = [p.name for p in self.all_sources() if p.suffix in CUDA_SUFFIXES]
+        if with_cuda or not cuda:
+            return None
+        return f"{', '.join(cuda)}: {self.cuda_skip_reason()}"
+
+    _CACHED = ("_key_inputs", "key", "_all_sources", "_detected_abi", "_stable_target")
 
     def refresh(self) -> None:
         """Forget the key worked out so far: the next ``key`` reads the files again."""
-        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi", "_stable_target"):
+        for name in self._CACHED:
             self.__dict__.pop(name, None)
 
     def load(self, verbose: bool = False) -> Any:

@@ -505,6 +505,12 @@ def _visible_gpu_archs() -> tuple[str, ...]:
     return tuple(sorted(f"{major}.{minor}" for major, minor in caps))
 
 
+def cuda_archs_from_env() -> list[str]:
+    """TORCH_CUDA_ARCH_LIST's archs, or [] when it is unset."""
+    spec = env.cuda_arch_list()
+    return parse_arch_list(spec) if spec is not None else []
+
+
 def cuda_archs() -> list[str]:
     """Target archs: TORCH_CUDA_ARCH_LIST, else the visible GPUs (this initialises CUDA)."""
     spec = env.cuda_arch_list()

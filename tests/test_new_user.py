@@ -326,3 +326,108 @@ def test_the_reason_for_a_build_is_a_change_of_content_not_of_name(tmp_path: Pat
     assert reason(moved).startswith("the same files under other paths"), reason(moved)
     edited = dict(moved, **{"/new/place/csrc/f3.cpp": "e" * 64})
     assert reason(edited) == "f3.cpp changed"
+
+
+# ---- a CUDA compile check without a GPU, also with a CPU-only torch (CI) ---------------------------------
+
+CUDA_KERNEL = '''
+#include <cstdint>
+
+__global__ void twice_kernel(const float* x, float* y, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] = 2 * x[i];
+}
+
+void twice_cuda(const float* x, float* y, int64_t n) {  // on the default stream: a compile test
+  if (n > 0) twice_kernel<<<(n + 255) / 256, 256>>>(x, y, n);
+}
+'''
+
+# As kernels-community's bindings do: the CUDA impl is registered whatever was built.
+CUDA_BINDING = TAGGED.split("// def(schema")[0] + '''
+void twice_cuda(const float* x, float* y, int64_t n);
+
+Tensor twice_on_gpu(const Tensor& x) {
+  Tensor xc = torch::stable::contiguous(x);
+  Tensor y = opb::new_output(xc);
+  twice_cuda(static_cast<const float*>(xc.data_ptr()), static_cast<float*>(y.data_ptr()), xc.numel());
+  return y;
+}
+
+OPB_LIBRARY(m) { m.def("twice(Tensor x) -> Tensor"); }
+OPB_LIBRARY_IMPL(CPU, m) { m.impl("twice", TORCH_BOX(&twice)); }
+OPB_LIBRARY_IMPL(CUDA, m) { m.impl("twice", TORCH_BOX(&twice_on_gpu)); }
+'''
+
+needs_nvcc = pytest.mark.skipif(toolchain.nvcc_path() is None, reason="needs nvcc (a CUDA toolkit), not a GPU")
+
+
+def _cuda_op(project: Path, name: str):
+    return user_builder(project, name, {"csrc/binding.cpp": CUDA_BINDING, "csrc/twice.cu": CUDA_KERNEL},
+                        module="cuda_twice_ops")
+
+
+@needs_nvcc
+def test_compile_check_compiles_the_cuda_part_without_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from opbuilder.compile_check import compile_check
+    from opbuilder.errors import BuildError
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the CUDA part is built and loaded as usual (the other tests)")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    builder = _cuda_op(tmp_path, "cuda_twice")
+    skipped = builder.cuda_skip_reason()
+    assert skipped is not None
+    # Without archs the .cu file is skipped, and the check says so and why.
+    plain = compile_check(builder)
+    assert plain.ok and plain.compiled == [str(tmp_path / "csrc" / "binding.cpp")], plain
+    assert plain.skipped == {str(tmp_path / "csrc" / "twice.cu"): "no CUDA arch to compile for: set "
+                             "TORCH_CUDA_ARCH_LIST (e.g. 9.0) or pass the archs"}, plain.skipped
+    # With archs it compiles with nvcc, whether or not torch has CUDA; nothing lands in the cache's builds.
+    check = compile_check(builder, ["9.0"])
+    assert check.ok and check.skipped == {} and check.archs == ["9.0"], check
+    assert sorted(Path(f).name for f in check.compiled) == ["binding.cpp", "twice.cu"]
+    # A load here builds the CPU part only; its library lacks the launcher, and the error says why.
+    with pytest.raises(BuildError, match=r"twice_cuda\(float const\*, float\*, long\).*\n.*Not built here: twice\.cu: "):
+        builder.load()
+
+
+@needs_nvcc
+def test_compile_check_reports_a_cuda_compile_error(tmp_path: Path) -> None:
+    from opbuilder.compile_check import compile_check
+
+    builder = _cuda_op(tmp_path, "cuda_twice_broken")
+    (tmp_path / "csrc" / "twice.cu").write_text(CUDA_KERNEL.replace("2 * x[i];", "2 * x[i] +;"))
+    builder.refresh()
+    check = compile_check(builder, ["9.0"])
+    assert not check.ok and list(check.failed) == [str(tmp_path / "csrc" / "twice.cu")]
+    assert "error" in check.failed[str(tmp_path / "csrc" / "twice.cu")]
+
+
+@needs_nvcc
+def test_the_cli_compile_check_and_compile_commands_say_what_was_skipped(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    _cuda_op(tmp_path, "cuda_twice_cli")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("TORCH_CUDA_ARCH_LIST", None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "opbuilder", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)
+
+    checked = cli("compile-check", "cuda_twice_ops:Builder", "--cuda-arch", "9.0")
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert f"cuda_twice_cli: compiled {tmp_path / 'csrc' / 'twice.cu'} (CUDA 9.0)" in checked.stdout, checked.stdout
+    listed = cli("compile-commands", "cuda_twice_ops:Builder", "-o", str(tmp_path / "cc.json"))
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "wrote" in listed.stdout and "(1 files)" in listed.stdout
+        assert "cuda_twice_cli: CUDA files not listed: " in listed.stderr, listed.stderr
+    with_cuda = cli("compile-commands", "cuda_twice_ops:Builder", "--cuda-arch", "9.0", "-o", str(tmp_path / "cc.json"))
+    assert with_cuda.returncode == 0 and "(2 files)" in with_cuda.stdout, with_cuda.stderr[-2000:]
