@@ -412,7 +412,7 @@ def test_the_cli_compile_check_and_compile_commands_say_what_was_skipped(tmp_pat
     import sys
 
     _cuda_op(tmp_path, "cuda_twice_cli")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     env.pop("TORCH_CUDA_ARCH_LIST", None)
 
     def cli(*args: str) -> subprocess.CompletedProcess:
