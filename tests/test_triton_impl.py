@@ -46,15 +46,20 @@ def _plain_launcher(x: torch.Tensor) -> torch.Tensor:  # where Triton is absent:
     raise AssertionError("a Triton implementation ran where it cannot load")
 
 
-@pytest.fixture
-def triton_op():
+def _define(op: str) -> None:
+    """y = 2x + 1 on [rows, width], with two workloads."""
     definitions.register(definitions.Definition(
-        name=OP, axes=("rows", "width"),
+        name=op, axes=("rows", "width"),
         inputs={"x": definitions.TensorSpec(("rows", "width"))},
         outputs={"y": definitions.TensorSpec(("rows", "width"))},
         reference=reference,
         workloads=(definitions.Workload("8x64", (8, 64)), definitions.Workload("7x111", (7, 111))),
     ))
+
+
+@pytest.fixture
+def triton_op():
+    _define(OP)
     impls.register(OP, impls.triton("triton", _triton_launcher() if HAS_TRITON else _plain_launcher))
     impls.register(OP, impls.reference(reference))
     yield OP
@@ -96,13 +101,7 @@ def test_the_gpu_tests_sequence_on_the_cpu_with_a_python_stand_in() -> None:
     trace in which it is fastest, ``dispatch.reset`` before the op's first ``apply`` (nothing to forget
     yet, not an error), then dispatch sends the calls to it."""
     op = "stand_in_twice_plus_one"
-    definitions.register(definitions.Definition(
-        name=op, axes=("rows", "width"),
-        inputs={"x": definitions.TensorSpec(("rows", "width"))},
-        outputs={"y": definitions.TensorSpec(("rows", "width"))},
-        reference=reference,
-        workloads=(definitions.Workload("8x64", (8, 64)), definitions.Workload("7x111", (7, 111))),
-    ))
+    _define(op)
     impls.register(op, impls.python("stand_in", lambda x: x * 2 + 1))
     impls.register(op, impls.reference(reference))
     try:
