@@ -263,7 +263,7 @@ class OpBuilder:
     def _stable_target(self) -> tuple[int, int]:
         with self._reading_own_flags():
             declared = toolchain.declared_target(self.cxx_args())
-            if declared is None and any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
+            if declared is None and self.with_cuda():
                 declared = toolchain.declared_target(self.nvcc_args())
         if declared is None:
             return toolchain.STABLE_ABI_TARGET

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 from opbuilder import env
 from opbuilder.errors import CacheError
@@ -69,7 +70,7 @@ class _DropMessage:
         return not str(getattr(record, "msg", "")).startswith(self.prefix)
 
 
-def cpp_extension(cuda: bool = False):  # -> the module torch.utils.cpp_extension
+def cpp_extension(cuda: bool = False) -> ModuleType:
     """``torch.utils.cpp_extension``, imported without the line it logs when torch has CUDA but no GPU is
     visible ("No CUDA runtime is found, using CUDA_HOME=..."): opbuilder says itself what it builds and why.
 
