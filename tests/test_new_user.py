@@ -431,3 +431,14 @@ def test_the_cli_compile_check_and_compile_commands_say_what_was_skipped(tmp_pat
         assert "cuda_twice_cli: CUDA files not listed: " in listed.stderr, listed.stderr
     with_cuda = cli("compile-commands", "cuda_twice_ops:Builder", "--cuda-arch", "9.0", "-o", str(tmp_path / "cc.json"))
     assert with_cuda.returncode == 0 and "(2 files)" in with_cuda.stdout, with_cuda.stderr[-2000:]
+
+
+@needs_nvcc
+def test_the_same_op_builds_and_runs_on_a_gpu(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: run on the GPU machine")
+    ops = _cuda_op(tmp_path, "cuda_twice_gpu").load()
+    x = torch.randn(1000, device="cuda")
+    torch.testing.assert_close(ops.twice(x), x * 2, rtol=0, atol=0)
