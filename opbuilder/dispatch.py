@@ -178,7 +178,8 @@ def _resolve(op: str) -> bool:
 
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
-        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
+        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning,
+                      stacklevel=_callers_level())
     picks = {_flat(where): name for where, name in picks.items()}
     r.picks, r.default_name, r.default = picks, default_name, default
     r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
@@ -194,6 +195,20 @@ def _resolve(op: str) -> bool:
     return True
 
 
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside opbuilder (its functions in ``opbuilder.ops`` too) and
+    outside torch's compiler: the user's line that called the op, for a warning to point at."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "opbuilder" or module.startswith(("opbuilder.", "torch._dynamo", "torch._inductor"))):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
 def _tracing() -> bool:
     """Whether Dynamo is tracing now (``resolve`` runs for real while it does)."""
     import torch._guards
@@ -207,7 +222,11 @@ resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def reset(op: str | None = None) -> None:
     """Forget the choices (of one op, or all), so that the next call resolves again: after a new trace,
     or new implementations, in this process."""
+    from opbuilder import implementations
+
     for name in [op] if op else list(_ROUTERS):
+        if name not in _ROUTERS and implementations.of(name):
+            continue  # registered, not yet applied: no choice made yet, nothing to forget
         r = router(name)
         r.table, r.picks, r.default, r.default_name, r.leave_later = None, {}, _continue, "", False
         if name in BUILDERS:
