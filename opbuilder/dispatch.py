@@ -162,16 +162,13 @@ def _resolve(op: str) -> bool:
             raise next(iter(failed.values()))
         raise RuntimeError(f"{op}: no implementation is registered")
     default_name, default = first
-    data = trace.read(op, trace.key({n: i.key for n, i in impls.items()})) if impls else None
-    checked = trace.read(op, trace.key({n: i.key for n, i in impls.items()}), "check") if impls else None
+    # the tune's times; the statuses of the newer of the tune and the check (a later check overrides a tune)
+    tuned, verdicts = trace.records(op, trace.key({n: i.key for n, i in impls.items()})) if impls else (None, [])
+    excluded = trace.excluded(verdicts)
     picks: dict[Any, str] = {}
-    for where, name in (trace.choices(data) if data else {}).items():
+    for where, name in (trace.choices(tuned, excluded) if tuned else {}).items():
         if name in impls and usable(name):
             picks[where] = name
-    excluded: dict[Any, set[str]] = {}
-    for source in (data, checked):
-        for where, names in (trace.excluded(source) if source else {}).items():
-            excluded.setdefault(where, set()).update(names)
     for where, names in excluded.items():
         if where not in picks and default_name in names and (other := first_usable(names)) is not None:
             picks[where] = other[0]

@@ -63,10 +63,35 @@ def path(op: str, trace_key: str, kind: str = "tune") -> Path:
 
 
 def read(op: str, trace_key: str, kind: str = "tune") -> dict[str, Any] | None:
+    return _read_dated(op, trace_key, kind)[0]
+
+
+def _read_dated(op: str, trace_key: str, kind: str) -> tuple[dict[str, Any] | None, int]:
+    """(the record, or None; its file's modification time in ns, 0 when there is none)."""
+    where = path(op, trace_key, kind)
     try:
-        return json.loads(path(op, trace_key, kind).read_text())
+        with open(where) as fh:
+            return json.load(fh), os.fstat(fh.fileno()).st_mtime_ns
     except (OSError, ValueError):
-        return None
+        return None, 0
+
+
+def records(op: str, trace_key: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(the tune record or None, the rows whose statuses count on this machine's devices).
+
+    For each implementation and device, the rows of the newer of the two records that has rows of it: a
+    check run after a tune overrides the tune's statuses (an implementation it fails is never sent those
+    calls, whatever the tune's times said), and a tune run after a check (a tune checks again) overrides
+    the check's. Of two records written at the same time, the failures of both count.
+    """
+    tune, tune_time = _read_dated(op, trace_key, "tune")
+    checked, check_time = _read_dated(op, trace_key, "check")
+    if tune_time == check_time:
+        return tune, (_here(tune) if tune else []) + (_here(checked) if checked else [])
+    newer, older = (tune, checked) if tune_time > check_time else (checked, tune)
+    rows = _here(newer) if newer else []
+    seen = {(r["implementation"], r["device"]) for r in rows}
+    return tune, rows + [r for r in (_here(older) if older else []) if (r["implementation"], r["device"]) not in seen]
 
 
 def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any]], kind: str = "tune") -> Path:
@@ -92,10 +117,10 @@ def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any
 Choice = tuple[str, torch.dtype, Bucket]
 
 
-def choices(data: dict[str, Any]) -> dict[Choice, str]:
+def choices(data: dict[str, Any], never: dict[Choice, set[str]] | None = None) -> dict[Choice, str]:
     """(device type, dtype, bucket) -> the fastest implementation that passed every workload of that
     bucket on this machine's device. An implementation that failed one workload of a bucket is never
-    chosen for it."""
+    chosen for it, nor one that ``never`` names for it (``excluded`` of the rows that count)."""
     groups: dict[Choice, dict[str, list[float] | None]] = {}
     for r in _here(data):
         where = (r["device"], getattr(torch, r["dtype"]), tuple(r["bucket"]))
@@ -107,16 +132,17 @@ def choices(data: dict[str, Any]) -> dict[Choice, str]:
             times.setdefault(name, []).append(float(r["us"]))
     table = {}
     for where, times in groups.items():
-        passed = {name: sum(t) for name, t in times.items() if t}
+        passed = {name: sum(t) for name, t in times.items() if t and name not in (never or {}).get(where, ())}
         if passed:
             table[where] = min(passed, key=passed.__getitem__)
     return table
 
 
-def excluded(data: dict[str, Any]) -> dict[Choice, set[str]]:
-    """(device type, dtype, bucket) -> implementations that failed a workload of it: never sent there."""
+def excluded(rows: list[dict[str, Any]]) -> dict[Choice, set[str]]:
+    """(device type, dtype, bucket) -> implementations that failed a workload of it (in ``records``' rows):
+    never sent there."""
     out: dict[Choice, set[str]] = {}
-    for r in _here(data):
+    for r in rows:
         if r["status"] != "PASSED":
             out.setdefault((r["device"], getattr(torch, r["dtype"]), tuple(r["bucket"])), set()).add(r["implementation"])
     return out
