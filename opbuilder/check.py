@@ -1,7 +1,12 @@
 """``opbuilder check`` and ``opbuilder tune``: every implementation of an op on its definition's workloads
 and edge shapes, against a float64 evaluation of the reference; then the passing ones timed with the
 benchmark's timer. Statuses as FlashInfer-Bench's: PASSED, INCORRECT_NUMERICAL, INCORRECT_SHAPE,
-INCORRECT_DTYPE, COMPILE_ERROR (it cannot be built or loaded here), RUNTIME_ERROR (a call raised).
+INCORRECT_DTYPE, COMPILE_ERROR (it cannot be built or loaded here), RUNTIME_ERROR (a call raised); and
+MUTATES_INPUT (it wrote into an input: each implementation gets its own copies of the inputs, compared
+with the originals after the call, so one that writes into them neither passes nor fools the next).
+
+Where the reference gives an infinity or NaN, only the same value passes: the tolerance there would be
+infinite (or NaN), so it is not used.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import torch
 from opbuilder import definitions, dispatch, implementations, trace
 from opbuilder.implementations import Implementation
 
-STATUSES = ("PASSED", "INCORRECT_NUMERICAL", "INCORRECT_SHAPE", "INCORRECT_DTYPE", "COMPILE_ERROR", "RUNTIME_ERROR")
+STATUSES = ("PASSED", "INCORRECT_NUMERICAL", "INCORRECT_SHAPE", "INCORRECT_DTYPE", "COMPILE_ERROR", "RUNTIME_ERROR",
+            "MUTATES_INPUT")
 
 
 @dataclass
@@ -37,15 +43,16 @@ def _tensors(out: Any) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-    """|got - want| (0 where both are NaN, or equal infinities), its max, and the max relative error."""
+def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """|got - want| (0 where both are NaN, or equal infinities), where they are the same value (NaN
+    included), the max error, and the max relative error."""
     g, w = got.double(), want.double()
     same = (g == w) | (g.isnan() & w.isnan())
     err = torch.where(same, torch.zeros_like(g), (g - w).abs().nan_to_num(nan=float("inf")))
     if err.numel() == 0:
-        return err, 0.0, 0.0
+        return err, same, 0.0, 0.0
     rel = torch.where(err == 0, err, err / w.abs().clamp_min(1e-30))
-    return err, err.max().item(), rel.max().item()
+    return err, same, err.max().item(), rel.max().item()
 
 
 def compare(definition: definitions.Definition, workload: definitions.Workload, out: Any, want64: Any,
@@ -64,9 +71,11 @@ def compare(definition: definitions.Definition, workload: definitions.Workload, 
     worst_abs = worst_rel = 0.0
     ok = True
     for g, w in zip(got, want):
-        err, abs_max, rel_max = _errors(g.cpu(), w.cpu())
+        err, same, abs_max, rel_max = _errors(g.cpu(), w.cpu())
         worst_abs, worst_rel = max(worst_abs, abs_max), max(worst_rel, rel_max)
-        ok = ok and bool((err <= atol + rtol * w.cpu().double().abs()).all())
+        w64 = w.cpu().double()
+        # where the reference is inf or NaN its tolerance is too: only the same value passes there
+        ok = ok and bool((same | (w64.isfinite() & (err <= atol + rtol * w64.abs()))).all())
     if not ok:
         return "INCORRECT_NUMERICAL", worst_abs, worst_rel, f"beyond rtol={rtol:.1e}, atol={atol:.1e}"
     return "PASSED", worst_abs, worst_rel, ""
@@ -75,6 +84,50 @@ def compare(definition: definitions.Definition, workload: definitions.Workload, 
 def _call(impl: Implementation, inputs: list) -> Any:
     with torch.no_grad():
         return impl.fn(*inputs)
+
+
+def _copy(t: Any) -> Any:
+    """A tensor's copy with the same sizes and strides (contiguous where they overlap); other values as they are."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    try:
+        return out.copy_(t)
+    except RuntimeError:  # an expanded input: its elements share memory, a copy cannot
+        return t.clone()
+
+
+def _written(before: list, after: list, names: list[str]) -> str | None:
+    """Which input an implementation wrote into (``after`` its copies of ``before``), or None."""
+    for i, (b, a) in enumerate(zip(before, after)):
+        if not isinstance(b, torch.Tensor):
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            changed = True
+        else:
+            same = a == b
+            if b.is_floating_point() or b.is_complex():
+                same |= a.isnan() & b.isnan()
+            changed = not bool(same.all())
+        if changed:
+            name = f" ({names[i]})" if i < len(names) else ""
+            return f"it wrote into input {i}{name}; an implementation must leave its inputs as they were"
+    return None
+
+
+def _run(definition: definitions.Definition, impl: Implementation, w: definitions.Workload, inputs: list,
+         want64: Any, want_dtypes: tuple, row: Row) -> None:
+    """Call ``impl`` on its own copies of ``inputs``; set the row's status, errors and message."""
+    mine = [_copy(t) for t in inputs]
+    try:
+        out = _call(impl, mine)
+    except Exception as exc:
+        row.status, row.message = "RUNTIME_ERROR", f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        return
+    row.status, row.max_abs, row.max_rel, row.message = compare(definition, w, out, want64, want_dtypes)
+    written = _written(inputs, mine, list(definition.inputs))
+    if written is not None:
+        row.status, row.message = "MUTATES_INPUT", written
 
 
 def check(op: str, device: str | torch.device = "cpu", names: list[str] | None = None) -> list[Row]:
@@ -93,8 +146,8 @@ def check(op: str, device: str | torch.device = "cpu", names: list[str] | None =
         inputs = definition.inputs_for(w, device)
         as64 = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
         with torch.no_grad():
-            want64 = definition.reference(*as64)
-            want_dtypes = tuple(t.dtype for t in _tensors(definition.reference(*inputs)))
+            want64 = definition.reference(*[_copy(t) for t in as64])
+            want_dtypes = tuple(t.dtype for t in _tensors(definition.reference(*[_copy(t) for t in inputs])))
         cases.append((w, inputs, want64, want_dtypes))
     for impl in impls:
         try:
@@ -108,12 +161,7 @@ def check(op: str, device: str | torch.device = "cpu", names: list[str] | None =
             if load_error is not None:
                 row.message = load_error
             else:
-                try:
-                    out = _call(impl, inputs)
-                except Exception as exc:
-                    row.status, row.message = "RUNTIME_ERROR", f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-                else:
-                    row.status, row.max_abs, row.max_rel, row.message = compare(definition, w, out, want64, want_dtypes)
+                _run(definition, impl, w, inputs, want64, want_dtypes, row)
             rows.append(row)
     return rows
 

@@ -65,13 +65,16 @@ class Router:
             x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args)
             # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
             key = (x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
-            return table.get(key, self.default)(*args, **kwargs)
+            # the call's bucket; else (a bucket no workload had) its device, dtype and kind of width; else its device
+            fn = table.get(key) or table.get((key[0], key[1], key[3])) or table.get((key[0],)) or self.default
+            return fn(*args, **kwargs)
         return self.default(*args, **kwargs)
 
     def pick(self, *args: Any) -> str:
         """The name of the implementation a call with these arguments goes to (resolving first)."""
         resolve(self.op)
-        return self.picks.get(_key(_first_tensor(args)), self.default_name)
+        key, picks = _key(_first_tensor(args)), self.picks
+        return picks.get(key) or picks.get((key[0], key[1], key[3])) or picks.get((key[0],)) or self.default_name
 
 
 def _first_tensor(args: tuple) -> Any:
@@ -172,11 +175,19 @@ def _resolve(op: str) -> bool:
     for where, names in excluded.items():
         if where not in picks and default_name in names and (other := first_usable(names)) is not None:
             picks[where] = other[0]
+    # Buckets no workload had: not to a default that failed their kind of width, or everything, on the device.
+    elsewhere: dict[Any, str] = {}
+    for where, names in trace.excluded_elsewhere(verdicts).items():
+        if default_name in names and (other := first_usable(names)) is not None:
+            elsewhere[(where[0] == "cuda",) + tuple(where[1:])] = other[0]
+    if elsewhere:  # the buckets a workload had keep their own choice (the default where it passed them)
+        for where in trace.buckets(verdicts):
+            picks.setdefault(where, default_name)
 
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
         warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
-    picks = {_flat(where): name for where, name in picks.items()}
+    picks = {_flat(where): name for where, name in picks.items()} | elsewhere
     r.picks, r.default_name, r.default = picks, default_name, default
     r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
                for key, name in picks.items()}

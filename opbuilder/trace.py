@@ -148,6 +148,30 @@ def excluded(rows: list[dict[str, Any]]) -> dict[Choice, set[str]]:
     return out
 
 
+def excluded_elsewhere(rows: list[dict[str, Any]]) -> dict[tuple, set[str]]:
+    """For calls of buckets no workload had: (device type, dtype, last dim a multiple of 8) ->
+    implementations that failed a workload of that dtype and kind of width (at any size: a kernel wrong at
+    odd widths is not trusted with odd widths it was not tried on); (device type,) -> implementations that
+    passed no workload on that device (the empty ones aside: any function passes those)."""
+    out: dict[tuple, set[str]] = {}
+    tried, passed = set(), set()
+    for r in rows:
+        name, device = r["implementation"], r["device"]
+        tried.add((device, name))
+        if r["status"] != "PASSED":
+            out.setdefault((device, getattr(torch, r["dtype"]), r["bucket"][1]), set()).add(name)
+        elif r["bucket"][0] > 0:
+            passed.add((device, name))
+    for device, name in tried - passed:
+        out.setdefault((device,), set()).add(name)
+    return out
+
+
+def buckets(rows: list[dict[str, Any]]) -> set[Choice]:
+    """The (device type, dtype, bucket)s that a workload had."""
+    return {(r["device"], getattr(torch, r["dtype"]), tuple(r["bucket"])) for r in rows}
+
+
 def _here(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows taken on this machine's kind of device (a GPU of the same name, a CPU of the same model)."""
     def here(r: dict[str, Any]) -> bool:

@@ -58,3 +58,93 @@ def test_a_newer_failed_check_overrides_an_older_tune() -> None:
     check.save(op, tuned, "tune")
     dispatch.reset(op)
     assert fn.pick(x) == "v2"
+
+
+def _variant(op: str, impls: dict, make_inputs=None, reference=None) -> str:
+    """``op``: the user op's definition (its workloads and edges) with Python implementations, in order."""
+    from opbuilder import definitions, implementations
+
+    base = definitions.get("twice_plus_one_v1v2") if "twice_plus_one_v1v2" in definitions._DEFINITIONS else None
+    if base is None:
+        dispatch_userop.define("twice_plus_one_v1v2", USEROP_DIR, ("v1", "v2"))
+        base = definitions.get("twice_plus_one_v1v2")
+    changes = {"name": op}
+    if make_inputs is not None:
+        changes["make_inputs"] = make_inputs
+    if reference is not None:
+        changes["reference"] = reference
+    definitions.register(replace(base, **changes))
+    for name, fn in impls.items():
+        implementations.register(op, implementations.python(name, fn))
+    return op
+
+
+def test_an_implementation_that_writes_into_its_input_is_flagged_and_fools_no_other() -> None:
+    """Each implementation gets its own copies of the inputs: one that writes into x is MUTATES_INPUT (even
+    though its output is right), and the correct one checked after it passes."""
+    def in_place(x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2).add_(1)
+
+    op = _variant("twice_plus_one_in_place", {"in place": in_place, "good": dispatch_userop.reference})
+    rows = check.check(op)
+    status = {(r.implementation, r.workload): r for r in rows}
+    for w in ("8x64", "7x111", "4096x64", "one row", "odd widths"):
+        assert status["in place", w].status == "MUTATES_INPUT", status["in place", w]
+        assert "x" in status["in place", w].message
+        assert status["good", w].status == "PASSED", status["good", w]
+    assert status["in place", "empty"].status == "PASSED"  # nothing to write into
+
+
+def _masked_rows(shape, dtype, device, gen) -> list:
+    """Random rows; row 0 entirely below the mask's threshold (the reference gives NaN there)."""
+    x = torch.randn(shape, generator=gen, device=device).to(dtype)
+    if x.shape[0]:
+        x[0] = -5.0
+    return [x]
+
+
+def _masked_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """log-softmax over entries >= -0.5; the others are -inf, and a row with none is NaN."""
+    return torch.log_softmax(x.masked_fill(x < -0.5, float("-inf")), -1)
+
+
+def test_infinities_in_the_reference_are_compared_exactly() -> None:
+    """Where the reference is -inf, NaN, 0 and +inf are wrong (the tolerance there is not inf); where it
+    is NaN, NaN is right."""
+    def with_value(value: float):
+        def impl(x: torch.Tensor) -> torch.Tensor:
+            y = _masked_log_softmax(x)
+            return torch.where(y == float("-inf"), torch.full_like(y, value), y)
+        return impl
+
+    op = _variant("masked_log_softmax", {"exact": _masked_log_softmax, "nan": with_value(float("nan")),
+                                         "zero": with_value(0.0), "+inf": with_value(float("inf"))},
+                  make_inputs=_masked_rows, reference=_masked_log_softmax)
+    status = {(r.implementation, r.workload): r.status for r in check.check(op)}
+    for w in ("8x64", "7x111", "4096x64", "odd widths"):
+        assert status["exact", w] == "PASSED", w
+        for bad in ("nan", "zero", "+inf"):
+            assert status[bad, w] == "INCORRECT_NUMERICAL", (bad, w)
+
+
+def test_a_default_that_failed_odd_widths_gets_no_odd_width_call() -> None:
+    """v2 (wrong at odd widths) is the default: odd-width calls go to v1 also at sizes no workload had;
+    calls of the buckets where v2 passed every workload, and even widths of new sizes, stay with v2."""
+    op = "twice_plus_one_v2_first"
+    dispatch_userop.define(op, USEROP_DIR, ("v2", "v1"))
+    check.save(op, check.check(op), "check")
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    for rows_, width, want in ((7, 111, "v1"), (3, 111, "v1"), (1, 5, "v1"), (300, 333, "v1"),
+                               (8, 64, "v2"), (2, 8, "v2"), (64, 64, "v2")):
+        x = _x(rows_, width)
+        assert fn.pick(x) == want, (rows_, width)
+        torch.testing.assert_close(fn(x), dispatch_userop.reference(x), rtol=0, atol=0)
+
+
+def test_a_default_that_failed_every_workload_gets_no_call() -> None:
+    op = _variant("twice_plus_one_all_wrong", {"wrong": lambda x: x * 3, "good": dispatch_userop.reference})
+    check.save(op, check.check(op), "check")
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    for x in (_x(8, 64), _x(3, 111), _x(2, 8), _x(5, 16).double(), _x(5, 16).half(), torch.randn(3)):
+        assert fn.pick(x) == "good", (x.shape, x.dtype)
+        torch.testing.assert_close(fn(x), dispatch_userop.reference(x), rtol=0, atol=0)
