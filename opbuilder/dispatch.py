@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -53,8 +54,11 @@ class Router:
         self.picks: dict[Any, str] = {}  # the same choices by implementation name (report, tests)
         self.default_name = ""
         self.leave_later = False  # resolved to the direct path while Dynamo traced: leave ROUTES at the next call
+        self.params: tuple[str, ...] = ()  # the function's parameters, in order (for calls by keyword)
         if final is not None:
             functools.update_wrapper(self, final)
+            with contextlib.suppress(TypeError, ValueError):
+                self.params = tuple(inspect.signature(final).parameters)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # resolve() first, every call (at once when resolved): under torch.compile no attribute of the
@@ -62,7 +66,9 @@ class Router:
         resolve(self.op)
         table = self.table
         if table:
-            x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args)
+            x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args, kwargs, self.params)
+            if x is None:  # no tensor among the arguments: no bucket
+                return self.default(*args, **kwargs)
             # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
             key = (x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
             # the call's bucket; else (a bucket no workload had) its device, dtype and kind of width; else its device
@@ -70,17 +76,25 @@ class Router:
             return fn(*args, **kwargs)
         return self.default(*args, **kwargs)
 
-    def pick(self, *args: Any) -> str:
+    def pick(self, *args: Any, **kwargs: Any) -> str:
         """The name of the implementation a call with these arguments goes to (resolving first)."""
         resolve(self.op)
-        key, picks = _key(_first_tensor(args)), self.picks
+        x = _first_tensor(args, kwargs, self.params)
+        if x is None:
+            return self.default_name
+        key, picks = _key(x), self.picks
         return picks.get(key) or picks.get((key[0], key[1], key[3])) or picks.get((key[0],)) or self.default_name
 
 
-def _first_tensor(args: tuple) -> Any:
+def _first_tensor(args: tuple, kwargs: dict[str, Any] | None = None, params: tuple[str, ...] = ()) -> Any:
+    """The call's first tensor: among the positional arguments, then the keyword ones in the order of the
+    function's parameters (then any others); None when there is none."""
     from opbuilder.trace import first_tensor
 
-    return first_tensor(args)
+    x = first_tensor(args)
+    if x is None and kwargs:
+        x = first_tensor(tuple(kwargs[p] for p in params if p in kwargs) + tuple(kwargs.values()))
+    return x
 
 
 def _key(x: Any) -> tuple:

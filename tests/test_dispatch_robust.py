@@ -148,3 +148,130 @@ def test_a_default_that_failed_every_workload_gets_no_call() -> None:
     for x in (_x(8, 64), _x(3, 111), _x(2, 8), _x(5, 16).double(), _x(5, 16).half(), torch.randn(3)):
         assert fn.pick(x) == "good", (x.shape, x.dtype)
         torch.testing.assert_close(fn(x), dispatch_userop.reference(x), rtol=0, atol=0)
+
+
+# ---- traces (item 6) ---------------------------------------------------------------------------------
+
+def _wrong_is_fastest(op: str) -> str:
+    """``op`` with a slow right implementation (the default) and a fast wrong one, and a tune trace that
+    says the wrong one passed and is the fastest everywhere (what a planted trace would say)."""
+    _variant(op, {"right": dispatch_userop.reference, "fast wrong": lambda x: x * 3})
+    rows = [replace(r, status="PASSED", us=1.0 if r.implementation == "fast wrong" else 9.0) for r in check.check(op)]
+    check.save(op, rows, "tune")
+    return op
+
+
+def test_a_trace_in_a_folder_others_can_write_is_not_followed(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group-writable traces folder (a cache shared without OPB_TRUST_SHARED_CACHE=1): its trace could
+    have been planted by another member, so dispatch ignores it (one warning naming it), as the loader
+    refuses libraries there; with OPB_TRUST_SHARED_CACHE=1 it is followed."""
+    op = _wrong_is_fastest("twice_plus_one_planted")
+    path = trace.path(op, trace.key(check.keys(op)))
+    path.parent.chmod(0o775)
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    x = _x(8, 64)
+    with pytest.warns(UserWarning) as caught:
+        assert fn.pick(x) == "right"
+        torch.testing.assert_close(fn(x), dispatch_userop.reference(x), rtol=0, atol=0)
+    ours = [w for w in caught if str(path) in str(w.message)]
+    assert len(ours) == 1 and "writable by group" in str(ours[0].message), [str(w.message) for w in caught]
+
+    monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", "1")
+    dispatch.reset(op)
+    assert fn.pick(x) == "fast wrong"
+
+
+def _good_row(op: str) -> dict:
+    return {"implementation": "fast wrong", "workload": "8x64", "shape": [8, 64], "dtype": "float32",
+            "device": "cpu", "device_name": trace.device_name("cpu"), "bucket": [10, True], "status": "PASSED",
+            "max_abs": 0.0, "max_rel": 0.0, "message": "", "us": 1.0}
+
+
+BAD_ROWS = [
+    {"bucket": [10]}, {"bucket": [[10], True]}, {"bucket": ["10", True]}, {"bucket": "10"}, {"bucket": None},
+    {"bucket": [10, "yes"]}, {"dtype": "no_such_dtype"}, {"dtype": "Tensor"}, {"dtype": 5}, {"status": 5},
+    {"us": "fast"}, {"us": [1]}, {"device": 5}, {"device": ["cpu"]}, {"implementation": ["fast wrong"]},
+    {"implementation": None}, {"device_name": {"a": 1}},
+]
+BAD_TOPS = [[], "text", 42, None, {"rows": 5}, {"rows": [1, 2]}, {"rows": [{}]}, {"rows": None}, {"no rows": []}]
+
+
+@pytest.mark.parametrize("fallback", [None, "1"])
+def test_a_trace_of_the_wrong_shape_is_ignored_with_one_warning(fallback, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    if fallback is not None:
+        monkeypatch.setenv("OPB_FALLBACK", fallback)
+    op = _wrong_is_fastest("twice_plus_one_bad_trace")
+    path = trace.path(op, trace.key(check.keys(op)))
+    good = json.loads(path.read_text())
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    x = _x(8, 64)
+    cases = [{**good, "rows": [{**_good_row(op), **bad}]} for bad in BAD_ROWS] + BAD_TOPS
+    now = time.time_ns()
+    for i, data in enumerate(cases):
+        path.write_text(json.dumps(data))
+        os.utime(path, ns=(now + i, now + i))  # a new file each time (the warning is given once a file)
+        dispatch.reset(op)
+        with pytest.warns(UserWarning) as caught:
+            y = fn(x)
+            fn(x)
+        torch.testing.assert_close(y, dispatch_userop.reference(x), rtol=0, atol=0)
+        ours = [w for w in caught if str(path) in str(w.message)]
+        assert len(ours) == 1, (i, data, [str(w.message) for w in caught])
+
+
+def test_builtin_relu_with_a_trace_of_the_wrong_shape(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The built-in relu's first call with a broken trace: the result, one warning naming the file."""
+    import json
+    import shutil
+
+    import opbuilder.ops as ops
+
+    built = ROOT / "build" / "test-cache" / "relu"
+    if built.is_dir():  # its build from the warm test cache, so that this test does not compile
+        shutil.copytree(built, fresh_cache / "relu", symlinks=True, ignore=shutil.ignore_patterns("*.lock"))
+    monkeypatch.setenv("OPB_FALLBACK", "1")
+    path = trace.path("relu", trace.key(check.keys("relu")))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rows": [{**_good_row("relu"), "implementation": "compiled", "bucket": [[1], 2]}]}))
+    dispatch.reset("relu")
+    try:
+        x = torch.randn(8, 64)
+        with pytest.warns(UserWarning) as caught:
+            y = ops.relu(x)
+        torch.testing.assert_close(y, torch.relu(x), rtol=0, atol=0)
+        assert len([w for w in caught if str(path) in str(w.message)]) == 1
+    finally:
+        dispatch.reset("relu")
+
+
+def test_apply_with_a_keyword_argument_once_a_trace_exists() -> None:
+    op = _variant("twice_plus_one_keyword", {"v": dispatch_userop.reference, "w": lambda x: 2 * x + 1})
+    rows = [replace(r, us=1.0 if r.implementation == "w" else 9.0) for r in check.check(op)]
+    check.save(op, rows, "tune")
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    x = _x(8, 64)
+    torch.testing.assert_close(fn(x=x), dispatch_userop.reference(x), rtol=0, atol=0)
+    assert fn.pick(x=x) == "w" == fn.pick(x)
+
+
+def test_traces_in_a_shared_cache_are_readable_by_the_group(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPB_TRUST_SHARED_CACHE=1 under umask 002: the trace and its folders are the group's to read, so a
+    teammate's tune is used; without it, they are private."""
+    op = _variant("twice_plus_one_shared", {"v": dispatch_userop.reference})
+    rows = check.check(op)
+    old = os.umask(0o002)
+    try:
+        monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", "1")
+        shared = check.save(op, rows, "check")
+        monkeypatch.delenv("OPB_TRUST_SHARED_CACHE")
+        monkeypatch.setenv("OPB_CACHE_DIR", str(fresh_cache.parent / "private"))
+        private = check.save(op, rows, "check")
+    finally:
+        os.umask(old)
+    for folder in (shared, shared.parent, shared.parent.parent):
+        assert folder.stat().st_mode & 0o040, (folder, oct(folder.stat().st_mode))
+    assert shared.parent.stat().st_mode & 0o010
+    for folder in (private, private.parent, private.parent.parent):
+        assert not folder.stat().st_mode & 0o077, (folder, oct(folder.stat().st_mode))
