@@ -275,3 +275,66 @@ def test_traces_in_a_shared_cache_are_readable_by_the_group(fresh_cache, monkeyp
     assert shared.parent.stat().st_mode & 0o010
     for folder in (private, private.parent, private.parent.parent):
         assert not folder.stat().st_mode & 0o077, (folder, oct(folder.stat().st_mode))
+
+
+# ---- a candidate that crashes or hangs (item 7) ----------------------------------------------------------
+
+CRASHING = r'''
+import ctypes, json, sys, time
+import torch
+sys.path.insert(0, "tests")
+import dispatch_userop
+from dataclasses import replace
+from opbuilder import cli, definitions, implementations as impls
+
+def segfault_at_odd_widths(x):
+    if x.shape[-1] % 2:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return x * 2 + 1
+
+def hangs_at_odd_widths(x):
+    if x.shape[-1] % 2:
+        time.sleep(3600)
+    return x * 2 + 1
+
+def crash_when_loading():
+    ctypes.string_at(0)
+
+OP = "twice_plus_one_crashes"
+definitions.register(definitions.Definition(
+    name=OP, axes=("rows", "width"),
+    inputs={"x": definitions.TensorSpec(("rows", "width"))}, outputs={"y": definitions.TensorSpec(("rows", "width"))},
+    reference=dispatch_userop.reference,
+    workloads=(definitions.Workload("8x64", (8, 64)), definitions.Workload("7x111", (7, 111))),
+))
+impls.register(OP, impls.python("segfault", segfault_at_odd_widths))
+impls.register(OP, impls.python("hangs", hangs_at_odd_widths))
+impls.register(OP, replace(impls.python("load crashes", dispatch_userop.reference), load=crash_when_loading))
+impls.register(OP, impls.reference(dispatch_userop.reference))
+sys.exit(cli.main(["check", OP, "--timeout", "3", "--json"]))
+'''
+
+
+def test_a_candidate_that_crashes_or_hangs_is_recorded_and_check_goes_on(fresh_cache) -> None:
+    """A segfault and a hang at odd widths, a crash while loading: check ends (exit 1), with CRASH and
+    TIMEOUT for those rows, the other rows checked, and the record stored whole."""
+    import json
+
+    from conftest import run_python
+
+    result = run_python(CRASHING, timeout=300)
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    status = {(r["implementation"], r["workload"]): r for r in json.loads(result.stdout)}
+    assert status["segfault", "7x111"]["status"] == "CRASH" and "SIGSEGV" in status["segfault", "7x111"]["message"]
+    assert status["segfault", "odd widths"]["status"] == "CRASH"
+    assert status["hangs", "7x111"]["status"] == "TIMEOUT" and "3 s" in status["hangs", "7x111"]["message"]
+    assert status["hangs", "odd widths"]["status"] == "TIMEOUT"
+    for impl in ("segfault", "hangs", "reference"):
+        for w in ("8x64", "one row", "empty"):
+            assert status[impl, w]["status"] == "PASSED", (impl, w, status[impl, w])
+    assert {status["load crashes", w]["status"] for w in ("8x64", "7x111", "one row", "odd widths", "empty")} == {"CRASH"}
+    assert "while loading" in status["load crashes", "8x64"]["message"]
+    assert all(status["reference", w]["status"] == "PASSED" for w in ("7x111", "odd widths"))
+    folder = fresh_cache / "traces" / "twice_plus_one_crashes"
+    (stored,) = folder.iterdir()  # the check record, whole; no temporary file left
+    assert stored.name.endswith(".check.json") and len(json.loads(stored.read_text())["rows"]) == len(status)
