@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import time
@@ -269,11 +270,12 @@ def _start(ctx: Any, target: Any, args: tuple) -> Any:
 
 
 def _stop(proc: Any) -> None:
-    """End the child and everything it started (its session), if it is still there."""
-    if proc.is_alive():
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child made itself a session (and group) of its own
-        except OSError:  # not yet: then the child alone
+    """End the child and everything it started: its session's process group, which outlives the child while
+    a process it forked is left (the group's id is not reused meanwhile)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child made itself a session (and group) of its own
+    except OSError:  # not yet (then the child alone), or nothing left of it
+        if proc.is_alive():
             proc.kill()
     proc.join()
 
@@ -300,14 +302,29 @@ def _in_children(definition: definitions.Definition, impl: Implementation, cases
         failure, loaded = None, False
         try:
             while True:
-                if not recv.poll(max(deadline - time.monotonic(), 0)):
+                # a message, or the child's end; every half second, whether it ended (a process it forked
+                # may hold the pipe and the sentinel open after it)
+                left = deadline - time.monotonic()
+                if left <= 0:
                     failure = "TIMEOUT", f"no result within {limit:g} s: stopped"
+                    break
+                ready = multiprocessing.connection.wait([recv, proc.sentinel], min(left, 0.5))
+                if recv not in ready and not recv.poll():
+                    if proc.is_alive():
+                        continue
+                    failure = "CRASH", _death(proc.exitcode)
                     break
                 try:
                     message = recv.recv()
                 except EOFError:
                     proc.join(5)
                     failure = "CRASH", _death(proc.exitcode)
+                    break
+                except Exception as exc:  # the implementation wrote into the pipe: its process is not trusted
+                    failure = "CRASH", f"its process sent something unreadable ({_reason(exc)})"
+                    break
+                if not _valid(message, start, len(cases)):
+                    failure = "CRASH", f"its process sent something unreadable ({str(message)[:100]})"
                     break
                 if message[0] == "load failed":
                     for i in range(start, len(cases)):
@@ -333,6 +350,18 @@ def _in_children(definition: definitions.Definition, impl: Implementation, cases
             outcomes[current] = failure[0], None, None, failure[1]
         start = max([start - 1, *outcomes]) + 1
     return [outcomes[i] for i in range(len(cases))]
+
+
+def _valid(message: Any, start: int, n: int) -> bool:
+    """Whether a child's message is one ``_child`` sends (an implementation could write into the pipe)."""
+    if not (isinstance(message, tuple) and message and isinstance(message[0], str)):
+        return False
+    kind, rest = message[0], message[1:]
+    if kind in ("start", "result") and not (rest and type(rest[0]) is int and start <= rest[0] < n):
+        return False
+    if kind == "result":
+        return len(rest) == 2 and isinstance(rest[1], tuple) and len(rest[1]) == 4 and rest[1][0] in STATUSES
+    return (kind, len(rest)) in (("start", 1), ("done", 0)) or (kind == "load failed" and len(rest) == 1)
 
 
 def _child(send: Any, definition: definitions.Definition, impl: Implementation, cases: list, start: int,

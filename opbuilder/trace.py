@@ -103,8 +103,8 @@ def _read_dated(op: str, trace_key: str, kind: str) -> tuple[dict[str, Any] | No
         if untrusted is not None:
             _ignore(where, st, f"{untrusted}, so someone else could have written it (OPB_TRUST_SHARED_CACHE=1 accepts it)")
             return None, 0
-        if not stat.S_ISREG(st.st_mode):
-            _ignore(where, st, "it is not a regular file")
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_BYTES:
+            _ignore(where, st, "it is not a regular file" if not stat.S_ISREG(st.st_mode) else f"it has {st.st_size} bytes")
             return None, 0
         try:
             data = json.load(fh)
@@ -119,6 +119,7 @@ def _read_dated(op: str, trace_key: str, kind: str) -> tuple[dict[str, Any] | No
 
 
 _WARNED: set[tuple[str, int, int]] = set()
+_MAX_BYTES = 64 << 20  # a trace has a few rows per implementation and workload: far less than this
 
 
 def _ignore(where: Path, st: os.stat_result, why: str) -> None:
