@@ -21,6 +21,7 @@ and the op's calls go as with no trace. Traces are written as the cache's other 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -88,7 +89,11 @@ def _read_dated(op: str, trace_key: str, kind: str) -> tuple[dict[str, Any] | No
     try:
         # not blocking: a FIFO planted there must not hang the op's first call (it is refused below)
         fh = open(os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
-    except OSError:  # none (the usual case), or unreadable: as if none
+    except PermissionError as exc:  # there, but not this user's to read (a shared cache made before traces were shared)
+        with contextlib.suppress(OSError):
+            _ignore(where, os.stat(where), f"this user cannot read it ({exc.strerror}; its owner can chmod g+r it)")
+        return None, 0
+    except OSError:  # none (the usual case): as if none
         return None, 0
     with fh:
         st = os.fstat(fh.fileno())
