@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("op", metavar="OP", help="the op (a built-in one)")
     chk.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+    chk.add_argument("--timeout", type=float, default=None, metavar="S",
+                     help="seconds one call of an implementation may take before it is stopped (TIMEOUT; default 300)")
     chk.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                      help="import MODULE first: where a user op's definition and implementations are registered")
 
@@ -58,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     tune.add_argument("--budget-ms", type=float, default=200.0, help="time budget per implementation and workload")
     tune.add_argument("--json", action="store_true", help="print the stored trace")
+    tune.add_argument("--timeout", type=float, default=None, metavar="S",
+                      help="seconds one call of an implementation may take in its check (default 300)")
     tune.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                       help="import MODULE first: where a user op's definition and implementations are registered")
 
@@ -143,7 +147,7 @@ def _check(args: argparse.Namespace) -> int:
     from opbuilder import check, dispatch_report
 
     _import(args.imports)
-    rows = check.check(args.op, args.device)
+    rows = check.check(args.op, args.device, timeout_s=check.CALL_TIMEOUT_S if args.timeout is None else args.timeout)
     where = check.save(args.op, rows, "check")
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
@@ -156,7 +160,7 @@ def _tune(args: argparse.Namespace) -> int:
     from opbuilder import check, dispatch_report
 
     _import(args.imports)
-    rows = check.tune(args.op, args.device, args.budget_ms)
+    rows = check.tune(args.op, args.device, args.budget_ms, timeout_s=check.CALL_TIMEOUT_S if args.timeout is None else args.timeout)
     where = check.save(args.op, rows, "tune")
     if args.json:
         print(where.read_text())
