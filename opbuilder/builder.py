@@ -258,6 +258,11 @@ class OpBuilder:
             "cuda_archs": self.cuda_archs() if with_cuda else [],
             "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in cxx_args) else None,
         }
+        # Where the compilers look for headers that no flag names: switching CPATH (``module load``) can
+        # swap a header without changing one file the key has read. Only when set, so other keys stay.
+        include_vars = env.include_path_variables()
+        if include_vars:
+            inputs["include_path_variables"] = include_vars
         # Headers the compiler read last time that no include path predicts (``#include MACRO``, CPATH):
         # their contents are part of the key too (see ``opbuilder.compile``).
         extra = fingerprint.discovered_files(self.name)

@@ -27,7 +27,13 @@ VARIABLES: dict[str, str] = {
     "PYTORCH_NVCC": "The nvcc command torch.utils.cpp_extension runs instead of $CUDA_HOME/bin/nvcc; part of the key.",
     "OPB_DEBUG": "1 builds with debug info (host -g, device -lineinfo) into its own key; 'device' adds nvcc -G.",
     "LD_LIBRARY_PATH": "Read (never set) to find the OpenMP runtime torch's library links, as the dynamic loader does.",
+    "CPATH": "Read (never set): folders the compilers search for headers; part of the cache key (a switch rebuilds).",
+    "C_INCLUDE_PATH": "Read (never set): as CPATH, for C; part of the cache key.",
+    "CPLUS_INCLUDE_PATH": "Read (never set): as CPATH, for C++; part of the cache key.",
 }
+
+#: The variables through which the compilers find headers that no flag names.
+INCLUDE_PATH_VARIABLES = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")
 
 
 def _get(name: str) -> str | None:
@@ -118,6 +124,11 @@ def path_dirs() -> list[str]:
 
 def ld_library_path() -> list[str]:
     return [d for d in (os.environ.get("LD_LIBRARY_PATH") or "").split(os.pathsep) if d]
+
+
+def include_path_variables() -> dict[str, str]:
+    """The header search path variables that are set (as set: an empty element means the current folder)."""
+    return {name: os.environ[name] for name in INCLUDE_PATH_VARIABLES if os.environ.get(name) is not None}
 
 
 def trust_shared_cache() -> bool:
