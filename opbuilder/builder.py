@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -39,6 +40,9 @@ _STABLE_MARKERS = (b"opbuilder/stable.h", b"torch/csrc/stable/")
 _CLASSIC_MARKERS = (b"torch/extension.h", b"torch/library.h", b"<ATen/", b"<c10/core", b"PYBIND11_MODULE",
                     b"opbuilder/binding.h")
 
+# An op's name becomes a folder of the cache and part of a C++ and torch.ops namespace.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
@@ -69,6 +73,14 @@ class OpBuilder:
         self.name = name or self.NAME
         if not self.name:
             raise ValueError(f"{type(self).__name__}: set NAME (the op's name) or pass name=")
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            label = f"{type(self).__name__}.NAME" if not name else f"{type(self).__name__}(name=...)"
+            hint = re.sub(r"[^A-Za-z0-9_]+", "_", str(self.name)).strip("_")
+            hint = f"op_{hint}" if hint[:1].isdigit() else hint
+            raise ValueError(
+                f"{label} must be letters, digits and '_' (ASCII, not starting with a digit): it names the op's "
+                f"cache folder and its torch.ops namespace; got {self.name!r}" + (f". Try {hint!r}" if hint else "")
+            )
         if self.BUILD_VAR is None:
             self.BUILD_VAR = f"OPB_BUILD_{self.name.upper()}"
 

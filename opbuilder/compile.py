@@ -333,9 +333,11 @@ def write_ninja(spec, work: Path) -> Path:
     includes = [str(snapshot_path(work, p)) for p in spec.include_paths]
     # Headers no include path predicts are still found where they are (and then keyed: _discover).
     originals = list(dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)]))
-    fallback = [f"-idirafter{d}" for d in originals]
+    # cpp_extension writes extra flags into the build file as they are, for a shell: quoted, so a folder
+    # with a space stays one argument (it quotes the include paths it is given itself).
+    fallback = [shlex.quote(f"-idirafter{d}") for d in originals]
     # nvcc has no -idirafter; its -I here come after the snapshot's (cpp_extension puts those first).
-    cuda_fallback = [f"-I{d}" for d in originals]
+    cuda_fallback = [shlex.quote(f"-I{d}") for d in originals]
     cxx = toolchain.cxx_path()
     nvcc = toolchain.nvcc_path() if spec.with_cuda else None
     made_from = json.dumps([spec.name, sources, includes, fallback, cuda_fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
@@ -377,7 +379,7 @@ def write_ninja(spec, work: Path) -> Path:
 # ---- running ninja ---------------------------------------------------------------------------------
 
 _STATUS = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
-_SOURCE = re.compile(r" -c (\S+)")
+_SOURCE = re.compile(r" -c ('[^']*'|\S+)")  # ninja quotes a path with a space for the shell
 
 
 def _ninja() -> str:
@@ -460,8 +462,8 @@ def _run_ninja(spec, work: Path, say) -> tuple[int, str, list[str], int]:
             match = _STATUS.match(line)
             if match:
                 source = _SOURCE.search(match.group(3))
-                if source and not source.group(1).endswith(_NAMESPACE_TU):
-                    compiled.append(os.path.basename(source.group(1)))
+                if source and not source.group(1).strip("'").endswith(_NAMESPACE_TU):
+                    compiled.append(os.path.basename(source.group(1).strip("'")))
                 if terminal and time.monotonic() - started > 2.0 and source:
                     for name in compiled[shown:]:
                         shown += 1

@@ -179,7 +179,7 @@ def test_a_bad_name_is_refused_up_front(name: str, fresh_cache: Path) -> None:
         Bad()
     message = str(info.value)
     assert "Bad.NAME" in message and "letters, digits and '_'" in message and repr(name) in message, message
-    with pytest.raises(ValueError, match="NAME"):
+    with pytest.raises(ValueError, match=r"OpBuilder\(name=\.\.\.\) must be letters, digits"):
         OpBuilder(name=name)
     assert not fresh_cache.exists() or not any(fresh_cache.iterdir()), "nothing is created for a refused name"
     assert not (fresh_cache.parent / "escape").exists()
@@ -194,5 +194,5 @@ def test_a_project_and_a_cache_in_folders_with_spaces_build(tmp_path: Path, monk
     assert built.load().spaced(X).tolist() == [0, 6, 12]
     manifest = cache.read_manifest(cache.Slot("spaced", built.key).path)
     assert manifest is not None and sorted(manifest["compiled"]) == ["binding.cpp", "kernel.cpp"]
-    twofile.set_kernel(root, "kValue + 1", extra='#include "value.h"')
+    twofile.set_kernel(root, "(kValue + 1)", extra='#include "value.h"')
     assert twofile.builder(root).load().spaced(X).tolist() == [0, 7, 14]
