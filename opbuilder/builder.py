@@ -172,6 +172,9 @@ class OpBuilder:
 
     def incompatibility_reasons(self) -> list[str]:
         """Why this op cannot be built here at all (empty when it can)."""
+        if not self.all_sources():
+            return [f"{type(self).__name__}.sources() returned no files: list the op's .cpp (and .cu) files, "
+                    f"relative to {self.source_root()}"]
         reasons = []
         missing = [str(p) for p in self.all_sources() if not p.is_file()]
         if missing:

@@ -6,6 +6,7 @@ between calls. Nothing here writes to ``os.environ``.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -63,8 +64,8 @@ def lock_timeout() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"OPB_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"OPB_LOCK_TIMEOUT must be >= 0 seconds, got {raw!r}")
+    if not math.isfinite(value) or value < 0:  # nan would never time out
+        raise ValueError(f"OPB_LOCK_TIMEOUT must be a finite number of seconds >= 0, got {raw!r}")
     return value
 
 
@@ -72,12 +73,17 @@ def verbose() -> bool:
     return _flag("OPB_VERBOSE")
 
 
+#: The most compilers OPB_MAX_JOBS may ask for (ninja's -j takes an int; no machine has more cores).
+MAX_JOBS_LIMIT = 4096
+
+
 def max_jobs() -> int | None:
     raw = _get("OPB_MAX_JOBS")
     if raw is None:
         return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"OPB_MAX_JOBS must be a positive integer, got {raw!r}")
+    # ASCII digits only: str.isdigit() also accepts '²' and other digits int() refuses.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_JOBS_LIMIT:
+        raise ValueError(f"OPB_MAX_JOBS must be a whole number from 1 to {MAX_JOBS_LIMIT}, got {raw!r}")
     return int(raw)
 
 

@@ -14,15 +14,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opbuilder import env
+from opbuilder import cache, env
 
 Bucket = tuple[int, bool]
 
@@ -81,11 +79,8 @@ def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any
         "op": op, "kind": kind, "key": trace_key, "torch": torch.__version__, "cuda": torch.version.cuda,
         "implementations": implementation_keys, "rows": kept + rows,
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, target)
+    # Whole or nothing, and a CacheError naming a full or read-only cache (no .tmp- file left behind).
+    cache.write_text_atomic(target, json.dumps(data, indent=1))
     return target
 
 

@@ -196,3 +196,242 @@ def test_a_project_and_a_cache_in_folders_with_spaces_build(tmp_path: Path, monk
     assert manifest is not None and sorted(manifest["compiled"]) == ["binding.cpp", "kernel.cpp"]
     twofile.set_kernel(root, "(kValue + 1)", extra='#include "value.h"')
     assert twofile.builder(root).load().spaced(X).tolist() == [0, 7, 14]
+
+
+# ---- 3. a filesystem without flock fails at once ------------------------------------------------
+
+FAKE_FLOCK = r"""
+#include <errno.h>
+#include <stdlib.h>
+/* flock() as on a filesystem without file locks: it fails with FAKE_FLOCK_ERRNO, every time. */
+int flock(int fd, int operation) {
+  (void)fd; (void)operation;
+  const char* code = getenv("FAKE_FLOCK_ERRNO");
+  errno = code ? atoi(code) : ENOSYS;
+  return -1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_flock(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A library that, preloaded, makes every flock() of a process fail (compiled here, with the C compiler)."""
+    folder = tmp_path_factory.mktemp("fake-flock")
+    (folder / "fake_flock.c").write_text(FAKE_FLOCK)
+    compiler = os.environ.get("CC") or "cc"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / "fake_flock.so"), str(folder / "fake_flock.c")],
+                   check=True, capture_output=True)
+    return folder / "fake_flock.so"
+
+
+NO_FLOCK = [errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK]
+
+
+@pytest.mark.parametrize("code", NO_FLOCK, ids=[errno.errorcode[c] for c in NO_FLOCK])
+def test_a_build_lock_that_cannot_work_fails_at_once(code: int, fake_flock: Path, tmp_path: Path, fresh_cache: Path) -> None:
+    root = twofile.write_op(tmp_path / "proj", name="no_flock")
+    proc = run_python(twofile.run_snippet(root, "no_flock"), timeout=120,
+                      env={"LD_PRELOAD": str(fake_flock), "FAKE_FLOCK_ERRNO": str(code), "OPB_LOCK_TIMEOUT": "60"})
+    assert proc.returncode != 0, proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "LockUnsupported: opbuilder: cannot lock" in last and errno.errorcode[code] in last, proc.stderr[-3000:]
+    assert f"the filesystem of {fresh_cache / 'no_flock'} does not support file locks" in last
+    assert "OPB_CACHE_DIR" in last
+    assert not [p for p in (fresh_cache / "no_flock").iterdir() if p.is_dir()], "nothing is built or published"
+
+
+def _run_slot(fake_flock: Path | None, slots: str, timeout: float, code: int = errno.EOPNOTSUPP) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OPB_SLOTS": slots, "FAKE_FLOCK_ERRNO": str(code)}
+    if fake_flock is not None:
+        env["LD_PRELOAD"] = str(fake_flock)
+    script = Path(ninja_build.__file__).with_name("_slot.py")
+    return subprocess.run([sys.executable, "-I", "-S", str(script), sys.executable, "-c", "print('COMPILED')"],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("code", NO_FLOCK, ids=[errno.errorcode[c] for c in NO_FLOCK])
+def test_compile_slots_that_cannot_be_locked_do_not_hang(code: int, fake_flock: Path, tmp_path: Path) -> None:
+    proc = _run_slot(fake_flock, f"{tmp_path}:2", timeout=60, code=code)
+    assert proc.returncode == 0 and "COMPILED" in proc.stdout, proc.stderr
+    assert str(tmp_path) in proc.stderr and "cannot be locked" in proc.stderr, proc.stderr
+
+
+def test_a_busy_compile_slot_is_still_waited_for(tmp_path: Path) -> None:
+    """Only EWOULDBLOCK means busy: with every slot held, the compiler waits for one."""
+    import fcntl
+
+    held = []
+    for i in range(2):
+        fd = os.open(tmp_path / f"slot.{i}", os.O_RDONLY | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(fd)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            _run_slot(None, f"{tmp_path}:2", timeout=3)
+    finally:
+        for fd in held:
+            os.close(fd)
+    proc = _run_slot(None, f"{tmp_path}:2", timeout=60)
+    assert proc.returncode == 0 and "COMPILED" in proc.stdout and proc.stderr == "", proc.stderr
+
+
+def test_clean_and_report_on_a_filesystem_without_flock(fake_flock: Path, tmp_path: Path, fresh_cache: Path) -> None:
+    root = twofile.write_op(tmp_path / "proj", name="no_flock_cli")
+    assert twofile.builder(root).load().no_flock_cli(X).tolist() == [0, 2, 4]
+    env = {**os.environ, "LD_PRELOAD": str(fake_flock), "FAKE_FLOCK_ERRNO": str(errno.EOPNOTSUPP)}
+    clean = subprocess.run([sys.executable, "-m", "opbuilder", "clean", "no_flock_cli"], capture_output=True, text=True,
+                           env=env, timeout=120, cwd=ROOT)
+    assert clean.returncode == 1, clean.stdout + clean.stderr
+    assert "Traceback" not in clean.stderr and "does not support file locks" in clean.stderr, clean.stderr
+    assert cache.Slot("no_flock_cli", twofile.builder(root).key).path.is_dir(), "nothing was removed unlocked"
+    report = subprocess.run([sys.executable, "-m", "opbuilder", "report"], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=ROOT)
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr[-2000:]
+
+
+# ---- 8. clear errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("OPB_LOCK_TIMEOUT", "nan"), ("OPB_LOCK_TIMEOUT", "inf"), ("OPB_LOCK_TIMEOUT", "-1"),
+    ("OPB_MAX_JOBS", "²"), ("OPB_MAX_JOBS", "1" * 20), ("OPB_MAX_JOBS", "0"), ("OPB_MAX_JOBS", "٣"),
+])
+def test_a_bad_setting_names_its_variable(variable: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(variable, value)
+    read = env.lock_timeout if variable == "OPB_LOCK_TIMEOUT" else env.max_jobs
+    with pytest.raises(ValueError) as info:
+        read()
+    assert str(info.value).startswith(f"{variable} must be") and repr(value) in str(info.value), str(info.value)
+
+
+def test_a_huge_job_count_fails_before_the_build_and_is_not_recorded_against_the_op(
+        tmp_path: Path, fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = twofile.write_op(tmp_path / "proj", name="many_jobs")
+    monkeypatch.setenv("OPB_MAX_JOBS", "1" * 20)
+    with pytest.raises(ValueError, match="OPB_MAX_JOBS must be"):
+        twofile.builder(root).load()
+    assert not list(fresh_cache.glob("many_jobs/*.failed.json")), "a setting is not the op's failure"
+
+
+def test_a_failure_record_with_a_null_time_is_reported(fresh_cache: Path) -> None:
+    from opbuilder import registry, report, toolchain
+
+    builder = registry.get_builder("relu")
+    slot = cache.Slot("relu", builder.key)
+    slot.op_dir.mkdir(parents=True)
+    slot.failure_path.write_text('{"time": null, "pid": 1, "message": "it failed", "log": null}')
+    assert cache.read_failure(slot)["time"] is None
+    row = report.op_row("relu", toolchain.torch_environment())
+    assert row["last_build"] == {"ok": False, "at": None, "seconds": None}
+    assert "relu" in report.render(report.collect())
+
+
+def test_an_empty_sources_list_says_so(fresh_cache: Path) -> None:
+    from opbuilder.errors import IncompatibleOpError
+
+    class Empty(OpBuilder):
+        NAME = "empty_sources"
+
+        def sources(self) -> list[str]:
+            return []
+
+    reasons = Empty().incompatibility_reasons()
+    assert reasons == ["Empty.sources() returned no files: list the op's .cpp (and .cu) files, relative to "
+                       f"{Path(__file__).resolve().parent}"], reasons
+    with pytest.raises(IncompatibleOpError, match=r"sources\(\) returned no files"):
+        Empty().load()
+
+
+from test_security import _in_mount_namespace, needs_mounts  # noqa: E402  (the mount helpers)
+
+FILL_AFTER_LINK = """#!/bin/bash
+# The compiler; after the link (the library is written), the cache's filesystem fills up but for
+# RESERVE_PAGES pages of 4 KiB.
+"{real}" "$@" || exit $?
+case " $* " in
+  *" -shared "*)
+    reserve=$(( ${{RESERVE_PAGES:-0}} * 4096 ))
+    [ "$reserve" -gt 0 ] && head -c "$reserve" /dev/zero > "$OPB_CACHE_DIR/reserve"
+    dd if=/dev/zero of="$OPB_CACHE_DIR/filler" bs=4k 2>/dev/null
+    rm -f "$OPB_CACHE_DIR/reserve"
+    ;;
+esac
+"""
+
+FILL_POINTS = """
+import glob, os, shutil, sys, traceback
+import torch
+sys.path.insert(0, {op!r})
+from two_file_ops import TwoFileBuilder
+from opbuilder import build
+from opbuilder.errors import CacheError
+root = {root!r}
+for pages in range(0, 18):  # the space left after the link: each write after it fails in turn
+    os.environ["RESERVE_PAGES"] = str(pages)
+    for library in glob.glob(root + "/.work/*/*.so"):  # so that ninja links (and the disk fills) again
+        os.unlink(library)
+    for done in glob.glob(root + "/fills_up/*/"):
+        shutil.rmtree(done)
+    try:
+        build.ensure_built(TwoFileBuilder().build_spec())
+        outcome = "ok"
+    except CacheError as exc:
+        outcome = "CacheError " + str(exc)
+    except BaseException:
+        outcome = "CRASH " + traceback.format_exc().replace(chr(10), " | ")
+    os.unlink(root + "/filler")
+    left = [p for p in os.listdir(root + "/fills_up") if p.startswith(".tmp-") or os.path.isdir(root + "/fills_up/" + p)]
+    print("ATTEMPT", pages, "left", left if outcome != "ok" else [], outcome)
+print("RESULT", TwoFileBuilder().load().fills_up(torch.arange(3.0)).tolist())
+"""
+
+
+@needs_mounts
+def test_a_disk_that_fills_while_publishing_is_named_and_leaves_nothing(tmp_path: Path) -> None:
+    """The disk fills right after the link, leaving 0, 4, 8, ... KiB: the object records, the copy of the
+    library, its log and its manifest each meet the full disk in some attempt."""
+    from opbuilder import toolchain
+
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    op = twofile.write_op(tmp_path / "proj", name="fills_up")
+    wrapper = tmp_path / "fill-cxx"
+    wrapper.write_text(FILL_AFTER_LINK.format(real=toolchain.cxx_path()))
+    wrapper.chmod(0o755)
+    setup = f"mount -t tmpfs -o size=8m none {shlex.quote(str(root))}"
+    result = _in_mount_namespace(setup, FILL_POINTS.format(op=str(op), root=str(root)),
+                                 OPB_CACHE_DIR=str(root), CXX=str(wrapper))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    attempts = [ln for ln in result.stdout.splitlines() if ln.startswith("ATTEMPT")]
+    assert len(attempts) == 18, result.stdout
+    for line in attempts:
+        assert " left [] " in line, line
+        assert line.endswith(" ok") or ("CacheError" in line and "ran out of space" in line and "OPB_CACHE_DIR" in line), line
+    failed = [ln for ln in attempts if "CacheError" in ln]
+    assert any(ninja_build.WORK_ROOT in ln for ln in failed), "the object records met the full disk"
+    assert sum(f"{root / 'fills_up'} ran out of space" in ln for ln in failed) >= 2, "the publish steps met it"
+    assert attempts[-1].endswith(" ok"), "with enough space left, the build is published"
+    assert "RESULT [0.0, 2.0, 4.0]" in result.stdout
+
+
+@needs_mounts
+@pytest.mark.parametrize("command", ["check", "tune"])
+@pytest.mark.parametrize("state", ["full", "read-only"])
+def test_check_and_tune_on_a_full_or_read_only_cache(command: str, state: str, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    quoted = shlex.quote(str(root))
+    if state == "full":
+        setup = f"mount -t tmpfs -o size=256k none {quoted} && (dd if=/dev/zero of={quoted}/filler bs=4k 2>/dev/null || true)"
+    else:
+        setup = f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}"
+    args = [command, "relu"] + (["--budget-ms", "2"] if command == "tune" else [])
+    code = f"import sys\nfrom opbuilder.cli import main\nsys.exit(main({args!r}))"
+    result = _in_mount_namespace(setup + f" && mkdir -p {quoted}/probe 2>/dev/null; true", code, OPB_CACHE_DIR=str(root))
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    reason = "ran out of space" if state == "full" else "Read-only file system"
+    assert last.startswith(f"opbuilder {command}: ") and reason in last and "OPB_CACHE_DIR" in last, last
+    leftovers = [str(p) for p in root.rglob(".tmp-*")] if root.exists() else []
+    assert leftovers == [], leftovers
