@@ -42,10 +42,25 @@ _CLASSIC_MARKERS = (b"torch/extension.h", b"torch/library.h", b"<ATen/", b"<c10/
 
 # An op's name becomes a folder of the cache and part of a C++ and torch.ops namespace.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME_MAX = 100  # a folder name may have 255 bytes; the op's work folders add a hash to it
 
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
+
+
+def _unbuildable_paths(paths: list[Path], chars: str, fix: str) -> list[str]:
+    """Why paths holding one of ``chars`` cannot be built from: the build file torch.utils.cpp_extension
+    writes for ninja escapes spaces in paths, but not '$' (a variable to ninja) or ':' (a rule's separator)."""
+    reasons = []
+    for path in paths:
+        bad = sorted({c for c in str(path) if c in chars})
+        if bad:
+            where = "the cache root (OPB_CACHE_DIR)" if path == env.cache_root() else "the path"
+            todo = "point OPB_CACHE_DIR at another folder" if path == env.cache_root() else fix
+            reasons.append(f"{where} {str(path)!r} holds {', '.join(map(repr, bad))}, which ninja's build file "
+                           f"cannot hold; {todo} (a folder without '$', ':' or a line break)")
+    return reasons
 
 
 class OpBuilder:
@@ -73,13 +88,14 @@ class OpBuilder:
         self.name = name or self.NAME
         if not self.name:
             raise ValueError(f"{type(self).__name__}: set NAME (the op's name) or pass name=")
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name) or len(self.name) > _NAME_MAX:
             label = f"{type(self).__name__}.NAME" if not name else f"{type(self).__name__}(name=...)"
             hint = re.sub(r"[^A-Za-z0-9_]+", "_", str(self.name)).strip("_")
             hint = f"op_{hint}" if hint[:1].isdigit() else hint
             raise ValueError(
-                f"{label} must be letters, digits and '_' (ASCII, not starting with a digit): it names the op's "
-                f"cache folder and its torch.ops namespace; got {self.name!r}" + (f". Try {hint!r}" if hint else "")
+                f"{label} must be letters, digits and '_' (ASCII, not starting with a digit, at most {_NAME_MAX} characters): it "
+                f"names the op's cache folder and its torch.ops namespace; got {self.name!r}"
+                + (f". Try {hint[:_NAME_MAX]!r}" if hint else "")
             )
         if self.BUILD_VAR is None:
             self.BUILD_VAR = f"OPB_BUILD_{self.name.upper()}"
@@ -179,6 +195,8 @@ class OpBuilder:
         missing = [str(p) for p in self.all_sources() if not p.is_file()]
         if missing:
             reasons.append(f"source files not found: {', '.join(missing)}")
+        reasons += _unbuildable_paths([*self.all_sources(), env.cache_root()], "$:\n", "move it")
+        reasons += _unbuildable_paths(self._include_dirs(), "$\n", "move it")
         if toolchain.cxx_path() is None:
             reasons.append(f"C++ compiler {env.cxx_compiler()!r} not found on PATH (set CXX)")
         if not any(p.suffix not in CUDA_SUFFIXES for p in self.all_sources()) and not self.with_cuda():

@@ -167,7 +167,7 @@ def test_every_include_path_variable_is_keyed(tmp_path: Path, monkeypatch: pytes
 # ---- 9. names and paths --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["../escape", "my-op", "a/b", "1op", "op name", ".", "opé", "op\n"])
+@pytest.mark.parametrize("name", ["../escape", "my-op", "a/b", "1op", "op name", ".", "opé", "op\n", "x" * 300])
 def test_a_bad_name_is_refused_up_front(name: str, fresh_cache: Path) -> None:
     class Bad(OpBuilder):
         NAME = name
@@ -196,6 +196,23 @@ def test_a_project_and_a_cache_in_folders_with_spaces_build(tmp_path: Path, monk
     assert manifest is not None and sorted(manifest["compiled"]) == ["binding.cpp", "kernel.cpp"]
     twofile.set_kernel(root, "(kValue + 1)", extra='#include "value.h"')
     assert twofile.builder(root).load().spaced(X).tolist() == [0, 7, 14]
+
+
+@pytest.mark.parametrize("where", ["project", "cache"])
+@pytest.mark.parametrize("char", ["$", ":"])
+def test_a_path_ninja_cannot_hold_is_refused_up_front(where: str, char: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from opbuilder.errors import IncompatibleOpError
+
+    cache_root = tmp_path / (f"ca{char}che" if where == "cache" else "cache")
+    monkeypatch.setenv("OPB_CACHE_DIR", str(cache_root))
+    root = twofile.write_op(tmp_path / (f"pro{char}ject" if where == "project" else "project"), name="odd_path")
+    with pytest.raises(IncompatibleOpError) as info:
+        twofile.builder(root).load()
+    message = str(info.value)
+    assert f"holds {char!r}, which ninja's build file cannot hold" in message, message
+    assert ("OPB_CACHE_DIR" in message) == (where == "cache"), message
+    assert not list(cache_root.glob("odd_path/*.failed.json")), "a path is not the op's failure"
 
 
 # ---- 3. a filesystem without flock fails at once ------------------------------------------------
