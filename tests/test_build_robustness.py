@@ -104,6 +104,36 @@ def test_a_header_edit_under_clock_skew_recompiles_its_includers(tmp_path: Path,
     _build_then_run(twofile.builder(root), root, "skew_hdr", [0.0, 8.0, 16.0])
 
 
+def test_a_header_found_through_cpath_edited_under_clock_skew_recompiles(tmp_path: Path, fresh_cache: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header outside the snapshot (found through CPATH) is in the object's record too."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    header = extra / "skew_value.h"
+    header.write_text("#pragma once\nconstexpr float kValue = 3;\n")
+    monkeypatch.setenv("CPATH", str(extra))
+    root = twofile.write_op(tmp_path / "proj", name="skew_cpath")
+    twofile.set_kernel(root, "kValue", extra="#include <skew_value.h>")
+    assert twofile.builder(root).load().skew_cpath(X).tolist() == [0, 3, 6]
+    _step_the_clock_back(monkeypatch, fresh_cache, "skew_cpath")
+    header.write_text("#pragma once\nconstexpr float kValue = 4;\n")
+    os.utime(header, (time.time() - DAY, time.time() - DAY))  # written after the step
+    _build_then_run(twofile.builder(root), root, "skew_cpath", [0.0, 4.0, 8.0])
+
+
+@pytest.mark.parametrize("record", ["not json", "[]", '{"kernel.o": "x"}', '{"kernel.o": {"object": 1, "inputs": []}}'])
+def test_a_damaged_object_record_recompiles(record: str, tmp_path: Path, fresh_cache: Path) -> None:
+    name = f"bad_record_{len(record)}"  # one op per case: a process loads a namespace once
+    root = twofile.write_op(tmp_path / "proj", name=name)
+    twofile.builder(root).load()
+    for work in _work_folders(fresh_cache, name):
+        (work / "objects.json").write_text(record)
+    twofile.set_kernel(root, "3")
+    edited = twofile.builder(root)
+    assert getattr(edited.load(), name)(X).tolist() == [0, 3, 6]
+    assert sorted(cache.read_manifest(cache.Slot(name, edited.key).path)["compiled"]) == ["binding.cpp", "kernel.cpp"]
+
+
 def test_unchanged_objects_are_still_reused_after_a_failed_compile(tmp_path: Path, fresh_cache: Path,
                                                                    capfd: pytest.CaptureFixture[str]) -> None:
     """The content records must not cost the incremental build: an object compiled in a build that then
