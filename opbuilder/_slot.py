@@ -11,8 +11,9 @@ the slots the others leave free.
 Started with -I -S, it imports only the standard library; with no usable slot folder it runs the
 compiler at once. Only EWOULDBLOCK/EAGAIN mean a slot is taken: any other error of ``flock`` (ENOSYS,
 EOPNOTSUPP, ENOLCK: a filesystem without file locks) makes the folder unusable, said in one line on
-stderr, instead of a wait that would never end. The slot setting is passed in the environment, not on the command line, so a
-change of it (another core count) does not change the command ninja compares and recompiles nothing.
+stderr, instead of a wait that would never end. The slot setting is passed in the environment, not on
+the command line, so a change of it (another core count) does not change the command ninja compares
+and recompiles nothing.
 """
 
 import errno

@@ -49,7 +49,7 @@ _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
 
 
-def _unbuildable_paths(paths: list[Path], chars: str, fix: str) -> list[str]:
+def _unbuildable_paths(paths: list[Path], chars: str) -> list[str]:
     """Why paths holding one of ``chars`` cannot be built from: the build file torch.utils.cpp_extension
     writes for ninja escapes spaces in paths, but not '$' (a variable to ninja) or ':' (a rule's separator)."""
     reasons = []
@@ -57,7 +57,7 @@ def _unbuildable_paths(paths: list[Path], chars: str, fix: str) -> list[str]:
         bad = sorted({c for c in str(path) if c in chars})
         if bad:
             where = "the cache root (OPB_CACHE_DIR)" if path == env.cache_root() else "the path"
-            todo = "point OPB_CACHE_DIR at another folder" if path == env.cache_root() else fix
+            todo = "point OPB_CACHE_DIR at another folder" if path == env.cache_root() else "move it"
             reasons.append(f"{where} {str(path)!r} holds {', '.join(map(repr, bad))}, which ninja's build file "
                            f"cannot hold; {todo} (a folder without '$', ':' or a line break)")
     return reasons
@@ -195,8 +195,8 @@ class OpBuilder:
         missing = [str(p) for p in self.all_sources() if not p.is_file()]
         if missing:
             reasons.append(f"source files not found: {', '.join(missing)}")
-        reasons += _unbuildable_paths([*self.all_sources(), env.cache_root()], "$:\n", "move it")
-        reasons += _unbuildable_paths(self._include_dirs(), "$\n", "move it")
+        reasons += _unbuildable_paths([*self.all_sources(), env.cache_root()], "$:\n")
+        reasons += _unbuildable_paths(self._include_dirs(), "$\n")
         if toolchain.cxx_path() is None:
             reasons.append(f"C++ compiler {env.cxx_compiler()!r} not found on PATH (set CXX)")
         if not any(p.suffix not in CUDA_SUFFIXES for p in self.all_sources()) and not self.with_cuda():

@@ -379,7 +379,15 @@ def write_ninja(spec, work: Path) -> Path:
 # ---- running ninja ---------------------------------------------------------------------------------
 
 _STATUS = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
-_SOURCE = re.compile(r" -c ('[^']*'|\S+)")  # ninja quotes a path with a space for the shell
+
+
+def _compiled_source(command: str) -> str | None:
+    """The file a compile command compiles (the argument after ``-c``; ninja quotes it for the shell)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    return next((words[i + 1] for i, word in enumerate(words[:-1]) if word == "-c"), None)
 
 
 def _ninja() -> str:
@@ -461,9 +469,9 @@ def _run_ninja(spec, work: Path, say) -> tuple[int, str, list[str], int]:
             lines.append(line)
             match = _STATUS.match(line)
             if match:
-                source = _SOURCE.search(match.group(3))
-                if source and not source.group(1).strip("'").endswith(_NAMESPACE_TU):
-                    compiled.append(os.path.basename(source.group(1).strip("'")))
+                source = _compiled_source(match.group(3))
+                if source and not source.endswith(_NAMESPACE_TU):
+                    compiled.append(os.path.basename(source))
                 if terminal and time.monotonic() - started > 2.0 and source:
                     for name in compiled[shown:]:
                         shown += 1

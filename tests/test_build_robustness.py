@@ -215,9 +215,9 @@ def test_a_bad_name_is_refused_up_front(name: str, fresh_cache: Path) -> None:
     assert not (fresh_cache.parent / "escape").exists()
 
 
-def test_a_project_and_a_cache_in_folders_with_spaces_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_project_and_a_cache_in_folders_with_spaces_and_quotes_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "my cache"))
-    root = twofile.write_op(tmp_path / "My Kernels" / "proj one", name="spaced")
+    root = twofile.write_op(tmp_path / "Jo's Kernels" / "proj one", name="spaced")
     (root / "csrc" / "value.h").write_text("#pragma once\nconstexpr float kValue = 6;\n")
     twofile.set_kernel(root, "kValue", extra='#include "value.h"')
     built = twofile.builder(root)
