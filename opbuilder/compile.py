@@ -299,7 +299,10 @@ def _drop_unproven_objects(work: Path) -> None:
 def _record_objects(work: Path, deps: dict[str, list[str]]) -> None:
     """Write the record of every object in ``work`` whose dependencies ninja logged. Call after ninja
     ended by itself, before anything changes the snapshot: each object left is then whole and was
-    compiled from the files as they are now (an older one survived ``_drop_unproven_objects``)."""
+    compiled from the files as they are now (an older one survived ``_drop_unproven_objects``).
+    Without ninja's dependency log the old record stays: an entry proves only the object of its own sha256."""
+    if not deps:
+        return
     inside, covered = str(work) + os.sep, tuple(_covered_roots())
     memo: dict[str, str] = {}
     record = {}
