@@ -8,7 +8,6 @@ before this process loads the published library, and an edit recompiles only wha
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
@@ -128,7 +127,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
     slot = cache.Slot(spec.op, spec.key)
     if _good_build(slot, reject_build_id):
         return slot.path
-    from filelock import FileLock, Timeout
+    from opbuilder.locks import FileLock, Timeout
 
     cache.ensure_dir(slot.op_dir)
     cache.check_trusted(slot)
@@ -155,7 +154,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
         if _good_build(slot, reject_build_id):
             return slot.path
         failure = cache.read_failure(slot)
-        if waited and failure is not None and float(failure.get("time", 0)) >= waited_since:
+        if waited and failure is not None and failure["time"] is not None and failure["time"] >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
         return _build(spec, slot)
     finally:
@@ -173,7 +172,7 @@ def _good_build(slot: cache.Slot, reject_build_id: str | None) -> bool:
 
 
 def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
-    from filelock import FileLock
+    from opbuilder.locks import FileLock
 
     cache.remove_stray_tmp_dirs(slot)
     targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
@@ -201,8 +200,14 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
             if not result.artifact.is_file():
                 raise BuildError(f"opbuilder: the build of {spec.op} finished without producing {result.artifact.name}")
             artifact = tmp_dir / f"{spec.name}_{spec.key[:12]}.so"
-            shutil.copy2(result.artifact, artifact)
-        (tmp_dir / cache.LOG).write_text(result.log)
+            try:
+                shutil.copy2(result.artifact, artifact)
+            except OSError as exc:  # a full disk, most likely: named as such; tmp_dir goes below
+                raise cache.cache_error(slot.op_dir, exc) from exc
+        try:
+            (tmp_dir / cache.LOG).write_text(result.log)
+        except OSError as exc:
+            raise cache.cache_error(slot.op_dir, exc) from exc
         seconds = time.time() - started
         manifest = {
             "op": spec.op,
@@ -223,9 +228,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
         try:
             published = cache.publish(slot, tmp_dir, manifest)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise CacheError(cache.full_message(slot.op_dir, os.strerror(exc.errno))) from exc
-            raise
+            raise cache.cache_error(slot.op_dir, exc) from exc
         say(f"built {spec.op} in {seconds:.1f} s ({len(result.compiled)} of {result.total} files compiled)")
         return published
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -40,9 +41,27 @@ _STABLE_MARKERS = (b"opbuilder/stable.h", b"torch/csrc/stable/")
 _CLASSIC_MARKERS = (b"torch/extension.h", b"torch/library.h", b"<ATen/", b"<c10/core", b"PYBIND11_MODULE",
                     b"opbuilder/binding.h")
 
+# An op's name becomes a folder of the cache and part of a C++ and torch.ops namespace.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME_MAX = 100  # a folder name may have 255 bytes; the op's work folders add a hash to it
+
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
+
+
+def _unbuildable_paths(paths: list[Path], chars: str) -> list[str]:
+    """Why paths holding one of ``chars`` cannot be built from: the build file torch.utils.cpp_extension
+    writes for ninja escapes spaces in paths, but not '$' (a variable to ninja) or ':' (a rule's separator)."""
+    reasons = []
+    for path in paths:
+        bad = sorted({c for c in str(path) if c in chars})
+        if bad:
+            where = "the cache root (OPB_CACHE_DIR)" if path == env.cache_root() else "the path"
+            todo = "point OPB_CACHE_DIR at another folder" if path == env.cache_root() else "move it"
+            reasons.append(f"{where} {str(path)!r} holds {', '.join(map(repr, bad))}, which ninja's build file "
+                           f"cannot hold; {todo} (a folder without '$', ':' or a line break)")
+    return reasons
 
 
 class OpBuilder:
@@ -70,6 +89,15 @@ class OpBuilder:
         self.name = name or self.NAME
         if not self.name:
             raise ValueError(f"{type(self).__name__}: set NAME (the op's name) or pass name=")
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name) or len(self.name) > _NAME_MAX:
+            label = f"{type(self).__name__}.NAME" if not name else f"{type(self).__name__}(name=...)"
+            hint = re.sub(r"[^A-Za-z0-9_]+", "_", str(self.name)).strip("_")
+            hint = f"op_{hint}" if hint[:1].isdigit() else hint
+            raise ValueError(
+                f"{label} must be letters, digits and '_' (ASCII, not starting with a digit, at most {_NAME_MAX} characters): it "
+                f"names the op's cache folder and its torch.ops namespace; got {self.name!r}"
+                + (f". Try {hint[:_NAME_MAX]!r}" if hint else "")
+            )
         if self.BUILD_VAR is None:
             self.BUILD_VAR = f"OPB_BUILD_{self.name.upper()}"
 
@@ -197,10 +225,15 @@ class OpBuilder:
 
     def incompatibility_reasons(self) -> list[str]:
         """Why this op cannot be built here at all (empty when it can)."""
+        if not self.all_sources():
+            return [f"{type(self).__name__}.sources() returned no files: list the op's .cpp (and .cu) files, "
+                    f"relative to {self.source_root()}"]
         reasons = []
         missing = [str(p) for p in self.all_sources() if not p.is_file()]
         if missing:
             reasons.append(f"source files not found: {', '.join(missing)}")
+        reasons += _unbuildable_paths([*self.all_sources(), env.cache_root()], "$:\n")
+        reasons += _unbuildable_paths(self._include_dirs(), "$\n")
         if toolchain.cxx_path() is None:
             reasons.append(f"C++ compiler {env.cxx_compiler()!r} not found on PATH (set CXX)")
         if not any(p.suffix not in CUDA_SUFFIXES for p in self.all_sources()) and not self.with_cuda():
@@ -364,6 +397,11 @@ class OpBuilder:
             "cuda_archs": self.cuda_archs() if with_cuda else [],
             "cpu_isa": toolchain.cpu_isa() if any("native" in a for a in cxx_args) else None,
         }
+        # Where the compilers look for headers that no flag names: switching CPATH (``module load``) can
+        # swap a header without changing one file the key has read. Only when set, so other keys stay.
+        include_vars = env.include_path_variables()
+        if include_vars:
+            inputs["include_path_variables"] = include_vars
         # Headers the compiler read last time that no include path predicts (``#include MACRO``, CPATH):
         # their contents are part of the key too (see ``opbuilder.compile``).
         extra = fingerprint.discovered_files(self.name)

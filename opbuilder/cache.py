@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import stat
@@ -456,11 +457,19 @@ def record_failure(slot: Slot, message: str, log_text: str) -> Path:
 
 
 def read_failure(slot: Slot) -> dict | None:
+    """The failure record of ``slot``, or None. Its ``time`` is a finite float or None (a record
+    written by hand or damaged), its ``message`` a string."""
     try:
         record = json.loads(slot.failure_path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    when = record.get("time")
+    valid = isinstance(when, (int, float)) and not isinstance(when, bool) and math.isfinite(when)
+    record["time"] = float(when) if valid else None
+    record["message"] = str(record.get("message") or "opbuilder: the build failed (its record gives no message)")
+    return record
 
 
 def remove_stray_tmp_dirs(slot: Slot) -> None:

@@ -296,9 +296,8 @@ def _compile_check(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    from filelock import FileLock, Timeout
-
     from opbuilder import cache, env, registry, report, toolchain
+    from opbuilder.locks import FileLock, Timeout
 
     root = env.cache_root()
     ops = list(dict.fromkeys(args.ops)) or report.cached_ops(root)
@@ -367,9 +366,8 @@ def _clean_work(op: str) -> int:
     """Remove the op's object folders (``opbuilder.compile``) that no build is using; returns bytes freed."""
     import shutil
 
-    from filelock import FileLock, Timeout
-
     from opbuilder import compile as ninja_build, env, report
+    from opbuilder.locks import FileLock, Timeout
 
     freed = 0
     for work in sorted((env.cache_root() / ninja_build.WORK_ROOT).glob(f"{op}-*")):

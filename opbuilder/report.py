@@ -30,14 +30,14 @@ def lock_held(lock_path: Path) -> bool | None:
         return None
     if not lock_path.exists():
         return False
-    from filelock import FileLock, Timeout
+    from opbuilder.locks import FileLock, Timeout
 
     lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         return True
-    except OSError:
+    except (OSError, OpBuilderError):  # unreadable, or a filesystem without flock
         return None
     lock.release()
     return False
@@ -287,7 +287,8 @@ def _fill(row: dict[str, Any], builder: OpBuilder, here: dict[str, Any]) -> None
         row["last_build"] = {"ok": True, "at": manifest.get("built_at"), "seconds": manifest.get("build_seconds")}
         row["log"] = str(slot.path / manifest.get("log", cache.LOG))
     elif failure is not None:
-        row["last_build"] = {"ok": False, "at": _when(float(failure.get("time", 0))), "seconds": None}
+        when = failure["time"]
+        row["last_build"] = {"ok": False, "at": _when(when) if when is not None else None, "seconds": None}
         row["log"] = failure.get("log")
     others = [p for p in cached_keys(slot.op_dir) if p.name != slot.key]
     row["other_builds"] = len(others)
@@ -366,7 +367,7 @@ def render(data: dict[str, Any]) -> str:
         last = r["last_build"]
         last_text = "-"
         if last is not None:
-            last_text = f"{last['at']}" + (f" ({last['seconds']} s)" if last["seconds"] is not None else "")
+            last_text = f"{last['at'] or 'at an unknown time'}" + (f" ({last['seconds']} s)" if last["seconds"] is not None else "")
             last_text += "" if last["ok"] else " FAILED"
         if r["log"]:
             notes.append(f"{r['op']}: log {r['log']}")
