@@ -39,3 +39,8 @@ class SourcesChanged(Exception):
     """The files a key was computed from changed before the compiler read them, or the compiler read
     headers that the key did not cover: the build sequence computes the key again and builds that
     (``opbuilder.jit.build``); a user sees it only as a BuildError when the files keep changing."""
+
+
+class TraceWarning(UserWarning):
+    """A trace of ``opbuilder check``/``tune`` in the cache is not used: it could have been written by someone
+    else, or it is not what those commands write. The message names the file and why; calls go as with no trace."""

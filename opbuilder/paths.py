@@ -19,6 +19,7 @@ The cache, under ``root()`` (``OPB_CACHE_DIR``, see ``opbuilder.env.cache_root``
     .work/<op>-<hash>/                   one op's objects for one set of flags and compilers, kept across keys:
         src/                             the sources as the build compiled them (a snapshot)
         gen/                             generated translation units (the namespace)
+        objects.json                     each object's hash and the hashes of the files it was compiled from
         .building                        present while a build compiles there (objects may be half-written)
     .work/<op>-<hash>.lock               the lock of that work folder
     .slots/                              one flock'ed file per compile slot (the machine's cores)
@@ -56,7 +57,7 @@ LOG = "build.log"
 #: The prefix of a build in progress, inside ``op_dir``.
 TMP_PREFIX = ".tmp-"
 #: Inside a work folder.
-WORK_SOURCES, WORK_GENERATED, WORK_BUILDING = "src", "gen", ".building"
+WORK_SOURCES, WORK_GENERATED, WORK_BUILDING, WORK_OBJECTS = "src", "gen", ".building", "objects.json"
 
 
 def root() -> Path:

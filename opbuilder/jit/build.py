@@ -18,7 +18,6 @@ build compiles the same spec (``extension``). The cache is looked at twice: befo
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
@@ -32,7 +31,7 @@ from typing import Any
 
 from opbuilder import env, paths
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, SourcesChanged
-from opbuilder.jit import cache, loader, prebuilt
+from opbuilder.jit import cache, loader, prebuilt, toolchain
 from opbuilder.jit.log import say
 
 __all__ = ["BuildSpec", "Built", "Ready", "SourcesChanged", "build_and_load", "ensure_built", "extension", "say"]
@@ -58,6 +57,7 @@ class BuildSpec:
     project_files: list[str] = field(default_factory=list)  # sources and the headers they include
     digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
+    skipped: str | None = None  # sources left out of this build and why ("kernel.cu: torch was built without CUDA")
     #: an install-time build to try first (built-in ops only)
     prebuilt: prebuilt.Wanted | None = None
     #: why the op cannot be built here (empty when it can); asked only when the cache has no build
@@ -140,8 +140,7 @@ def _sequence(spec: BuildSpec, load: bool) -> Any:
 def extension(spec: BuildSpec, key: str) -> Any:
     """A setuptools extension compiling ``spec`` at install time (``opbuilder.jit.prebuild``): portable (no
     ``-march``), named and namespaced by ``key``, the prebuilt key, so it never collides with a JIT build."""
-    from torch.utils.cpp_extension import CppExtension, CUDAExtension
-
+    cpp = toolchain.cpp_extension(cuda=spec.with_cuda)
     ns_flag = f"-DOPB_NAMESPACE=opb_{spec.op}_{key[:12]}"
     kwargs: dict[str, Any] = {
         "name": f"opbuilder._prebuilt.{spec.op}.{spec.op}_{key[:12]}",
@@ -151,8 +150,8 @@ def extension(spec: BuildSpec, key: str) -> Any:
     }
     cxx = [a for a in spec.cxx_args if not a.startswith("-march=")] + [ns_flag]
     if spec.with_cuda:
-        return CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": spec.nvcc_args + [ns_flag]})
-    return CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
+        return cpp.CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": spec.nvcc_args + [ns_flag]})
+    return cpp.CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
 
 
 _UNDEFINED = re.compile(r"undefined symbol: (\S+)")
@@ -173,7 +172,7 @@ def _load_failure(spec: BuildSpec, artifact: Path, exc: BaseException) -> str:
         return (
             f"opbuilder: op {spec.op!r} compiled, but its library does not load: it uses {symbol}, which no "
             f"source of the op and no library it links defines (declared but not defined? a source missing "
-            f"from sources()?). Library: {artifact}"
+            f"from sources()?). Library: {artifact}" + (f"\nNot built here: {spec.skipped}" if spec.skipped else "")
         )
     return f"opbuilder: op {spec.op!r} compiled, but its library does not load: {text}"
 
@@ -205,7 +204,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Built:
     ``reject_build_id`` names a build found not to load: it is rebuilt unless another process
     already replaced it. Raises as ``build_and_load`` does.
     """
-    from filelock import FileLock, Timeout
+    from opbuilder.jit.locks import FileLock, Timeout
 
     from opbuilder.jit import compile  # the compiler's side: not imported on the warm path
 
@@ -237,7 +236,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Built:
         if good is not None:
             return good
         failure = cache.read_failure(slot)
-        if waited and failure is not None and float(failure.get("time", 0)) >= waited_since:
+        if waited and failure is not None and failure["time"] is not None and failure["time"] >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
         return _build(spec, slot)
     finally:
@@ -255,7 +254,7 @@ def _good_build(slot: cache.Slot, reject_build_id: str | None) -> Built | None:
 
 
 def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
-    from filelock import FileLock
+    from opbuilder.jit.locks import FileLock
 
     from opbuilder.jit import compile
 
@@ -285,8 +284,14 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
             if not result.artifact.is_file():
                 raise BuildError(f"opbuilder: the build of {spec.op} finished without producing {result.artifact.name}")
             artifact = tmp_dir / f"{spec.name}_{spec.key[:12]}.so"
-            shutil.copy2(result.artifact, artifact)
-        (tmp_dir / cache.LOG).write_text(result.log)
+            try:
+                shutil.copy2(result.artifact, artifact)
+            except OSError as exc:  # a full disk, most likely: named as such; tmp_dir goes below
+                raise cache.cache_error(slot.op_dir, exc) from exc
+        try:
+            (tmp_dir / cache.LOG).write_text(result.log)
+        except OSError as exc:
+            raise cache.cache_error(slot.op_dir, exc) from exc
         seconds = time.time() - started
         manifest = {
             "op": spec.op,
@@ -307,9 +312,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
         try:
             published = cache.publish(slot, tmp_dir, manifest)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise CacheError(cache.full_message(slot.op_dir, os.strerror(exc.errno))) from exc
-            raise
+            raise cache.cache_error(slot.op_dir, exc) from exc
         say(f"built {spec.op} in {seconds:.1f} s ({len(result.compiled)} of {result.total} files compiled)")
         return Built(published, published / artifact.name, manifest)
     finally:
@@ -335,10 +338,18 @@ def _reason(spec: BuildSpec, slot: cache.Slot) -> str:
         return "first build here"
     ours = spec.inputs
     files_a, files_b = newest.get("files") or {}, ours.get("files") or {}
-    changed = sorted(n for n in set(files_a) | set(files_b) if files_a.get(n) != files_b.get(n))
+    # By content: a file whose bytes the last build had under another name (a moved project) is no change.
+    contents_a, contents_b = set(files_a.values()), set(files_b.values())
+    changed = sorted(n for n, digest in files_b.items() if files_a.get(n) != digest and digest not in contents_a)
     if changed:
         more = f" and {len(changed) - 2} more" if len(changed) > 2 else ""
         return ", ".join(os.path.basename(n) for n in changed[:2]) + more + " changed"
+    removed = sorted(n for n, digest in files_a.items() if n not in files_b and digest not in contents_b)
+    if removed:
+        return ", ".join(os.path.basename(n) for n in removed[:2]) + " no longer part of the op"
+    if set(files_a) != set(files_b):
+        moved = sorted(set(files_b) ^ set(files_a))
+        return (f"the same files under other paths (e.g. {moved[0]}): their contents are unchanged")
     for name, label in (("abi", "torch ABI"), ("torch", "torch"), ("torch_cuda", "torch's CUDA"), ("python", "Python")):
         if newest.get(name) != ours.get(name):
             return f"{label} changed ({newest.get(name)} -> {ours.get(name)})"

@@ -131,7 +131,7 @@ def write_manifest(builder: OpBuilder, artifact: Path, seconds: float) -> Path:
 
 def build_ext_class() -> type:
     """torch's BuildExtension, recording each op's manifest and saying what it prebuilt."""
-    from torch.utils.cpp_extension import BuildExtension
+    BuildExtension = toolchain.cpp_extension().BuildExtension
 
     class PrebuildExtension(BuildExtension):
         def build_extensions(self) -> None:

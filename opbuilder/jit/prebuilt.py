@@ -70,17 +70,18 @@ def portable_nvcc(args: list[str]) -> list[str]:
     return [a for a in args if not a.startswith(("-gencode", "-I"))]
 
 
-def requirements(*, op: str, version: str, python_module: bool, stable: bool, files: dict[str, str],
-                 cxx_args: list[str], nvcc_args: list[str]) -> dict[str, Any]:
+def requirements(*, op: str, version: str, python_module: bool, stable: bool, stable_target: str,
+                 files: dict[str, str], cxx_args: list[str], nvcc_args: list[str]) -> dict[str, Any]:
     """What a prebuilt library of an op must have been built with to run in this process.
 
-    ``files``: the digests of all sources, CUDA ones included, whether or not this machine has nvcc.
+    ``stable_target``: the stable ABI's torch version the op is built for (``toolchain.STABLE_ABI_TARGET``
+    unless the builder names another). ``files``: the digests of all sources, CUDA ones included, whether or not this machine has nvcc.
     Linker flags are left out: they say where CUDA libraries were found at build time (and are empty
     where there is no nvcc), while the library loaded at run time is the one torch loads. Runs no
     compiler and writes nothing: a prebuilt op loads where the cache is read-only and no compiler is
     installed.
     """
-    here = toolchain.abi_environment(stable)
+    here = toolchain.abi_environment(stable, stable_target)
     return {
         **here,
         "op": op,

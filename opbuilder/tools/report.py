@@ -19,7 +19,7 @@ from opbuilder import env, paths
 from opbuilder.errors import OpBuilderError
 from opbuilder.jit import cache, fingerprint, registry, toolchain
 from opbuilder.jit.builder import OpBuilder
-from opbuilder.paths import INCLUDE_DIR, PACKAGE_DIR
+from opbuilder.paths import PACKAGE_DIR
 
 # ---- facts about the cache ----------------------------------------------------------------------
 
@@ -32,14 +32,14 @@ def lock_held(lock_path: Path) -> bool | None:
         return None
     if not lock_path.exists():
         return False
-    from filelock import FileLock, Timeout
+    from opbuilder.jit.locks import FileLock, Timeout
 
     lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         return True
-    except OSError:
+    except (OSError, OpBuilderError):  # unreadable, or a filesystem without flock
         return None
     lock.release()
     return False
@@ -129,8 +129,13 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
     inputs = manifest.get("inputs")
     if not isinstance(inputs, dict):
         return "its manifest records no key inputs"
-    if str(inputs.get("abi", "")).startswith("stable"):  # serves every torch of its ABI range
-        here = toolchain.abi_environment(True)
+    abi = str(inputs.get("abi", ""))
+    if abi.startswith("stable"):  # serves every torch of its ABI range: from its target on
+        major, _, minor = abi.removeprefix("stable-").partition(".")
+        target = (int(major), int(minor)) if major.isdigit() and minor.isdigit() else toolchain.STABLE_ABI_TARGET
+        if target > toolchain.torch_version():
+            return f"built for the stable API of torch {target[0]}.{target[1]}, newer than this torch"
+        here = toolchain.abi_environment(True, target)
     for name, value in here.items():
         if inputs.get(name) != value:
             return f"built for {name} {inputs.get(name)}, this environment has {value}"
@@ -144,7 +149,7 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
         if inputs.get("builder_version") != builder.VERSION:
             return f"built by builder VERSION {inputs.get('builder_version')}, the op's is now {builder.VERSION}"
         files = fingerprint.project_files(builder.all_sources(), builder._include_dirs())
-        current = fingerprint.digest_files(files, [builder.source_root(), INCLUDE_DIR])
+        current = fingerprint.digest_files(files, builder.digest_roots())
         changed = sorted(n for n, digest in (inputs.get("files") or {}).items() if current.get(n) != digest)
         if changed:
             return f"its sources changed since ({', '.join(changed[:3])})"
@@ -285,7 +290,8 @@ def _fill(row: dict[str, Any], builder: OpBuilder, here: dict[str, Any]) -> None
         row["last_build"] = {"ok": True, "at": manifest.get("built_at"), "seconds": manifest.get("build_seconds")}
         row["log"] = str(slot.path / manifest.get("log", cache.LOG))
     elif failure is not None:
-        row["last_build"] = {"ok": False, "at": _when(float(failure.get("time", 0))), "seconds": None}
+        when = failure["time"]
+        row["last_build"] = {"ok": False, "at": _when(when) if when is not None else None, "seconds": None}
         row["log"] = failure.get("log")
     others = [p for p in cached_keys(slot.op_dir) if p.name != slot.key]
     row["other_builds"] = len(others)
@@ -364,7 +370,7 @@ def render(data: dict[str, Any]) -> str:
         last = r["last_build"]
         last_text = "-"
         if last is not None:
-            last_text = f"{last['at']}" + (f" ({last['seconds']} s)" if last["seconds"] is not None else "")
+            last_text = f"{last['at'] or 'at an unknown time'}" + (f" ({last['seconds']} s)" if last["seconds"] is not None else "")
             last_text += "" if last["ok"] else " FAILED"
         if r["log"]:
             notes.append(f"{r['op']}: log {r['log']}")

@@ -25,7 +25,7 @@ def test_the_docstring_lists_every_entry_of_the_cache(monkeypatch: pytest.Monkey
         assert str(path.relative_to(tmp_path)) in doc, f"{name}: {path.relative_to(tmp_path)} is not in the docstring"
     functions = {n for n, f in inspect.getmembers(paths, inspect.isfunction) if f.__module__ == paths.__name__}
     assert functions - {"root", "traces", "work_root"} <= set(entries), "a new cache path: list it here and in the docstring"
-    for name in ("MANIFEST", "LOG", "TMP_PREFIX", "WORK_SOURCES", "WORK_GENERATED", "WORK_BUILDING"):
+    for name in ("MANIFEST", "LOG", "TMP_PREFIX", "WORK_SOURCES", "WORK_GENERATED", "WORK_BUILDING", "WORK_OBJECTS"):
         assert getattr(paths, name).rstrip("/") in doc, name
 
 

@@ -221,14 +221,14 @@ def test_pip_build_isolation_fails_with_the_command(installed: dict, tmp_path: P
 
 
 def test_prebuilt_op_loads_from_a_read_only_cache(installed: dict, tmp_path: Path) -> None:
-    from test_security import _can_mount, _in_mount_namespace
+    from helpers import mounts
 
-    if not _can_mount():
+    if not mounts.can_mount():
         pytest.skip("needs root and unshare(1) allowed to mount (a private mount namespace makes the read-only cache)")
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
     quoted = str(root)
-    proc = _in_mount_namespace(f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}", LOAD_RELU, cwd=tmp_path,
+    proc = mounts.in_mount_namespace(f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}", LOAD_RELU, cwd=tmp_path,
                                **_clean_env(PYTHONPATH=str(installed["site"]), OPB_CACHE_DIR=str(root)))
     result = _result(proc)
     assert result["ns"] == json.loads(installed["record_path"].read_text())["namespace"]
