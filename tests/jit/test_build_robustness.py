@@ -60,7 +60,7 @@ def _step_the_clock_back(monkeypatch: pytest.MonkeyPatch, cache_root: Path, op: 
 
     def write_ninja_after_the_step(spec, work: Path) -> Path:
         target = original(spec, work)
-        for folder in (work / compile.SRC_DIR, work / compile.GEN_DIR):
+        for folder in (work / paths.WORK_SOURCES, work / paths.WORK_GENERATED):
             for dirpath, _dirs, files in os.walk(folder):
                 for name in files:
                     path = os.path.join(dirpath, name)
