@@ -343,7 +343,7 @@ def test_the_second_user_test_passes_from_a_checkout_in_a_private_folder(tmp_pat
     stash.mkdir()
     script = (f"mount --bind {root} {stash} && mount -t tmpfs -o mode=700 none {parent} && mkdir {root} && "
               f"mount --bind {stash} {root} && stat -c %a {parent} && exec {shlex.quote(sys.executable)} -m pytest -q "
-              f"-p no:cacheprovider {root}/tests/test_security.py -k test_shared_cache_serves_a_second_user")
+              f"-p no:cacheprovider {root}/tests/jit/test_security.py -k test_shared_cache_serves_a_second_user")
     result = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd="/",
                             env={k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}, timeout=900)
     assert result.stdout.startswith("700\n"), result.stdout[-2000:] + result.stderr[-2000:]

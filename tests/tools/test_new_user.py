@@ -25,7 +25,7 @@ def test_cpp_extension_is_imported_quietly_and_uses_the_toolkit_opbuilder_keys(t
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
     env["PATH"] = f"{wrapper.parent}{os.pathsep}{env.get('PATH', '')}"
     code = ("import os, torch\n"
-            "from opbuilder import toolchain\n"
+            "from opbuilder.jit import toolchain\n"
             "cpp = toolchain.cpp_extension(cuda=True)\n"
             "print('HOMES', os.path.realpath(cpp.CUDA_HOME), os.path.realpath(toolchain.cuda_home()))\n")
     result = run_python(code, env={"CUDA_HOME": "", "CUDA_PATH": "", "PATH": env["PATH"]})

@@ -206,7 +206,7 @@ def test_opting_out_takes_the_python_path_silently(tmp_path: Path) -> None:
 def test_a_torch_upgrade_never_loads_the_old_glue(tmp_path: Path) -> None:
     # The run's cache holds this torch's glue (the module fixture); a process claiming another torch must
     # not load it: it starts its own build (stopped here: the test is about what it loads).
-    code = ("import torch\ntorch.__version__ = '99.0.0'\nfrom opbuilder import cxx_autograd\n"
+    code = ("import torch\ntorch.__version__ = '99.0.0'\nfrom opbuilder.torchop import cxx_autograd\n"
             "print('loaded', cxx_autograd.load(wait=False), cxx_autograd.state())\n"
             "cxx_autograd._build.kill()\n")
     result = run_python(code)
@@ -241,7 +241,7 @@ def test_matmul_backward_of_the_linear_layer_case(bias_shape: tuple | None, tran
 
 
 def test_calls_without_a_gradient_never_ask_for_the_glue() -> None:
-    code = ("import torch\nfrom opbuilder import cxx_autograd, ops\n"
+    code = ("import torch\nfrom opbuilder import ops\nfrom opbuilder.torchop import cxx_autograd\n"
             "x = torch.randn(4, 8)\nops.relu(x); ops.softmax(x); ops.rms_norm(x, torch.ones(8))\n"
             "with torch.no_grad():\n    ops.relu(x.requires_grad_())\n"
             "print('state', cxx_autograd.state())\n"
