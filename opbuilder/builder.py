@@ -144,15 +144,22 @@ class OpBuilder:
         """Why the CUDA sources will not be built here, or None when they will be."""
         if not any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
             return "the op has no CUDA sources"
+        reason = self.cuda_toolchain_reason()
+        if reason is not None:
+            return reason
+        missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
+        if missing:
+            return f"CUDA libraries not found: {', '.join(missing)} (install their nvidia-* wheels or a full CUDA toolkit)"
+        return None
+
+    def cuda_toolchain_reason(self) -> str | None:
+        """Why no CUDA source could be compiled here, whatever the op's sources, or None."""
         if toolchain.torch_cuda_version() is None:
             return "torch was built without CUDA"
         if toolchain.nvcc_path() is None:
             return "nvcc not found (set CUDA_HOME)"
         if not self.cuda_archs():
             return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
-        missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
-        if missing:
-            return f"CUDA libraries not found: {', '.join(missing)} (install their nvidia-* wheels or a full CUDA toolkit)"
         return None
 
     def with_cuda(self) -> bool:

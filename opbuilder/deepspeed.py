@@ -244,9 +244,13 @@ class OpBuilder(_base.OpBuilder):
 
     # ---- compatibility and loading -----------------------------------------------------------------
 
+    def _build_reasons(self) -> list[str]:
+        """What opbuilder needs to build the op that is missing here (a subclass adds its own)."""
+        return _base.OpBuilder.incompatibility_reasons(self)
+
     def is_compatible(self, verbose: bool = False) -> bool:
         """DeepSpeed's check (a subclass extends it); here: what opbuilder needs to build the op."""
-        reasons = _base.OpBuilder.incompatibility_reasons(self)
+        reasons = self._build_reasons()
         if verbose:
             for reason in reasons:
                 self.warning(f"{self.name} is not compatible: {reason}")
@@ -254,7 +258,7 @@ class OpBuilder(_base.OpBuilder):
 
     def incompatibility_reasons(self) -> list[str]:
         """opbuilder's reasons, then the builder's own ``is_compatible()`` verdict with its last warning."""
-        reasons = _base.OpBuilder.incompatibility_reasons(self)
+        reasons = self._build_reasons()
         if not reasons and not self.is_compatible(False):
             reasons = [self.error_log or f"{type(self).__name__}.is_compatible() returned False"]
         return reasons
@@ -304,35 +308,21 @@ class CUDAOpBuilder(OpBuilder):
     def cuda_archs(self) -> list[str]:
         return self._kept_archs
 
-    def _toolchain_reason(self) -> str | None:
-        """Why CUDA cannot be compiled here whatever the sources, or None."""
+    def cuda_toolchain_reason(self) -> str | None:
         if self.is_rocm_pytorch():
             return "torch is a ROCm build, and opbuilder does not hipify or build HIP ops"
-        if toolchain.torch_cuda_version() is None:
-            return "torch was built without CUDA"
-        if toolchain.nvcc_path() is None:
-            return "nvcc not found (set CUDA_HOME)"
-        if not self.cuda_archs():
-            if toolchain.cuda_archs():
-                return (f"its filter_ccs() keeps none of the CUDA archs {';'.join(toolchain.cuda_archs())} "
-                        "(set TORCH_CUDA_ARCH_LIST to archs it supports)")
-            return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
-        return None
-
-    def cuda_skip_reason(self) -> str | None:
-        if any(p.suffix in _base.CUDA_SUFFIXES for p in self.all_sources()):
-            reason = self._toolchain_reason()
-            if reason is not None:
-                return reason
-        return super().cuda_skip_reason()
+        if not self.cuda_archs() and toolchain.cuda_archs():
+            return (f"its filter_ccs() keeps none of the CUDA archs {';'.join(toolchain.cuda_archs())} "
+                    "(set TORCH_CUDA_ARCH_LIST to archs it supports)")
+        return super().cuda_toolchain_reason()
 
     @property
     def build_for_cpu(self) -> bool:
         """True when CUDA cannot be compiled here (DeepSpeed: no GPU at JIT time)."""
-        return self._toolchain_reason() is not None
+        return self.cuda_toolchain_reason() is not None
 
-    def incompatibility_reasons(self) -> list[str]:
-        reasons = super().incompatibility_reasons()
+    def _build_reasons(self) -> list[str]:
+        reasons = super()._build_reasons()
         has_cuda_sources = any(p.suffix in _base.CUDA_SUFFIXES for p in self.all_sources())
         why = self.cuda_skip_reason()
         if has_cuda_sources and why is not None and not any(why in r for r in reasons):
@@ -354,7 +344,7 @@ class CUDAOpBuilder(OpBuilder):
         DeepSpeed's JIT mode: the archs are TORCH_CUDA_ARCH_LIST's or the visible GPUs')."""
         archs = self.cuda_archs()
         if not archs:
-            raise IncompatibleOpError(f"{self.name}: no CUDA arch to compile for: {self._toolchain_reason()}")
+            raise IncompatibleOpError(f"{self.name}: no CUDA arch to compile for: {self.cuda_toolchain_reason()}")
         self.enable_bf16 = self._bf16()
         return toolchain.gencode_flags(archs)
 
