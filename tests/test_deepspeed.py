@@ -83,7 +83,8 @@ def make_project(sdist: Path, dest: Path) -> Path:
         members = [m for m in tar.getmembers() if m.name.startswith((f"{top}/op_builder/", f"{top}/csrc/"))]
         for m in members:
             m.name = m.name[len(top) + 1:]
-        tar.extractall(dest, members=members, filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.11.4 on
+        tar.extractall(dest, members=members, **safe)
     assert (dest / "csrc").is_dir() and (dest / "op_builder").is_dir()
     return dest
 
