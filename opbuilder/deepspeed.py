@@ -293,6 +293,10 @@ class OpBuilder(_base.OpBuilder):
             f"-l{lib}" for lib in self.strip_empty_entries(self.libraries_args())]
 
 
+#: Libraries whose headers ATen's CUDA headers (``ATen/cuda/CUDAContext.h``) include.
+_ATEN_CUDA_HEADERS = ("cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h")
+
+
 class CUDAOpBuilder(OpBuilder):
     """DeepSpeed's ``CUDAOpBuilder``: an op with ``.cu`` sources, compiled for opbuilder's CUDA archs."""
 
@@ -347,6 +351,16 @@ class CUDAOpBuilder(OpBuilder):
             raise IncompatibleOpError(f"{self.name}: no CUDA arch to compile for: {self.cuda_toolchain_reason()}")
         self.enable_bf16 = self._bf16()
         return toolchain.gencode_flags(archs)
+
+    def final_nvcc_args(self) -> list[str]:
+        """DeepSpeed's ``.cu`` files include ATen's CUDA headers, which include cuSPARSE's, cuBLAS's and
+        cuSOLVER's: where the toolkit lacks them (nvcc alone, the libraries from torch's nvidia wheels),
+        their folder is searched last (``-isystem`` after the toolkit's, so the toolkit's own headers win)."""
+        home = toolchain.cuda_home()
+        toolkit = os.path.realpath(os.path.join(home, "include")) if home else None
+        found = (toolchain.cuda_header_dir(header) for header in _ATEN_CUDA_HEADERS)
+        dirs = dict.fromkeys(str(d) for d in found if d is not None)
+        return super().final_nvcc_args() + [arg for d in dirs if os.path.realpath(d) != toolkit for arg in ("-isystem", d)]
 
     def _bf16(self) -> bool:
         archs = self.cuda_archs()
