@@ -487,6 +487,10 @@ def test_filter_ccs_prunes_the_archs(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [a for a in nvcc if a.startswith("-gencode")] == ["-gencode=arch=compute_80,code=sm_80",
                                                            "-gencode=arch=compute_90,code=sm_90"]
     assert "" not in nvcc and "-lineinfo" in nvcc and "-DBF16_AVAILABLE" in nvcc
+    # ATen's CUDA headers include cusparse.h: its folder is searched, after the toolkit's, when not the toolkit's.
+    headers = toolchain.cuda_header_dir("cusparse.h")
+    if headers is not None and headers.resolve() != (Path(toolchain.cuda_home()) / "include").resolve():
+        assert nvcc[nvcc.index(str(headers)) - 1] == "-isystem"
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0")
     builder = module.MyBuilder()
     assert builder.build_for_cpu
