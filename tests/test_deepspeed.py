@@ -1,7 +1,8 @@
 """DeepSpeed's own op builder files build through ``opbuilder.deepspeed`` with one import line changed.
 
 The files come from the ``deepspeed`` sdist, fetched with pip at test time (once a run) into a temporary
-folder; nothing of DeepSpeed is kept in this repository. Each test project holds DeepSpeed's ``op_builder/``
+folder and kept, checked by its sha256, in ``build/deepspeed-sdist/`` (ignored by git) for later runs and for a
+machine that cannot reach the package index (copy the folder there); nothing of DeepSpeed is in this repository. Each test project holds DeepSpeed's ``op_builder/``
 and ``csrc/`` as the sdist has them, with only the builder file's ``from .builder import ...`` line changed.
 
 Two DeepSpeed versions, pinned so that a new release cannot change what is tested under the same name:
@@ -14,9 +15,12 @@ the shared test cache; the module runs on one pytest-xdist worker so that they a
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -28,7 +32,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from conftest import requires_cuda, run_python
+from conftest import ROOT, requires_cuda, run_python
 
 from opbuilder import deepspeed as ds
 from opbuilder import toolchain
@@ -52,26 +56,51 @@ _SIMD_NAMES = {"-D__AVX512__": "AVX512", "-D__AVX256__": "AVX2", "-D__SVE__": "S
                "-D__SCALAR__": "scalar"}
 
 
+#: The sdists' sha256, as the package index publishes them: a download or a kept file that differs is refused.
+SDIST_SHA256 = {
+    "0.19.8": "9e491abd0827ea5c389dd702e15e11e13d83d904bac4a20d6c2a4cb37207a9af",
+    "0.17.6": "b3318064ee5798e8a27d201ea8b888f0439973c4eac9af9ab381dd1862ebdf45",
+}
+#: Where a fetched sdist is kept for later runs (ignored by git); copy it to a machine without the index.
+SDIST_DIR = ROOT / "build" / "deepspeed-sdist"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 @pytest.fixture(scope="session")
 def ds_sdist(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``get(version)``: the deepspeed sdist of that version, downloaded with pip once a run."""
-    folder = tmp_path_factory.mktemp("deepspeed-sdist")
+    """``get(version)``: the deepspeed sdist of that version: kept in ``build/deepspeed-sdist/``, else fetched
+    with pip (once a run) into a temporary folder and kept there."""
     found: dict[str, Path] = {}
 
     def get(version: str) -> Path:
-        if version not in found:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   f"deepspeed=={version}", "-d", str(folder), "--disable-pip-version-check"]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            text = out.stdout + out.stderr
-            if out.returncode != 0:
-                if _UNREACHABLE.search(text):
-                    pytest.skip(f"the package index is unreachable, so the deepspeed sdist cannot be fetched: "
-                                f"{text.strip().splitlines()[-1]}")
-                pytest.fail(f"`{' '.join(cmd)}` failed:\n{text[-3000:]}")
-            found[version] = folder / f"deepspeed-{version}.tar.gz"
-            assert found[version].is_file(), text[-3000:]
-        return found[version]
+        if version in found:
+            return found[version]
+        kept = SDIST_DIR / f"deepspeed-{version}.tar.gz"
+        if kept.is_file() and _sha256(kept) == SDIST_SHA256[version]:
+            found[version] = kept
+            return kept
+        folder = tmp_path_factory.mktemp("deepspeed-sdist")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               f"deepspeed=={version}", "-d", str(folder), "--disable-pip-version-check"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        text = out.stdout + out.stderr
+        if out.returncode != 0:
+            if _UNREACHABLE.search(text):
+                pytest.skip(f"the package index is unreachable, so the deepspeed {version} sdist cannot be fetched "
+                            f"(or copy it to {kept}): {text.strip().splitlines()[-1]}")
+            pytest.fail(f"`{' '.join(cmd)}` failed:\n{text[-3000:]}")
+        fetched = folder / kept.name
+        assert fetched.is_file(), text[-3000:]
+        assert _sha256(fetched) == SDIST_SHA256[version], f"{fetched} is not the deepspeed {version} sdist"
+        SDIST_DIR.mkdir(parents=True, exist_ok=True)
+        partial = SDIST_DIR / f".{kept.name}.{os.getpid()}"
+        shutil.copyfile(fetched, partial)
+        os.replace(partial, kept)  # whole or not at all
+        found[version] = kept
+        return kept
 
     return get
 
