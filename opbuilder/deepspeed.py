@@ -398,7 +398,8 @@ class TorchCPUOpBuilder(CUDAOpBuilder):
     def extra_ldflags(self) -> list[str]:
         if self.build_for_cpu:
             return ["-fopenmp"]
-        return ["-lcurand", f"-L{self.get_cuda_lib64_path()}"]
+        curand = toolchain.find_cuda_library("curand")  # the toolkit's, or that of torch's nvidia wheel
+        return curand.ldflags() if curand is not None else ["-lcurand", f"-L{self.get_cuda_lib64_path()}"]
 
     def cxx_args(self) -> list[str]:
         args = []

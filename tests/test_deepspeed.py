@@ -525,3 +525,22 @@ def test_filter_ccs_prunes_the_archs(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert builder.build_for_cpu
     with pytest.raises(IncompatibleOpError, match=r"filter_ccs\(\) keeps none of the CUDA archs 7.0"):
         builder.load()
+
+
+@pytest.mark.skipif(toolchain.nvcc_path() is None or toolchain.torch_cuda_version() is None,
+                    reason="needs nvcc and a CUDA build of torch (nothing runs on a GPU)")
+def test_torch_cpu_op_builder_links_curand_where_cuda_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's TorchCPUOpBuilder links cuRAND and passes -D__ENABLE_CUDA__ when CUDA can be built;
+    cuRAND is found in the toolkit or in torch's nvidia wheel (an nvcc-only toolkit has none)."""
+    builder_class = _write_builder(tmp_path, _PLAIN.format(base="TorchCPUOpBuilder"), base="TorchCPUOpBuilder").MyBuilder
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    builder = builder_class()
+    assert not builder.build_for_cpu and "-D__ENABLE_CUDA__" in builder.final_cxx_args()
+    curand = toolchain.find_cuda_library("curand")
+    if curand is not None:
+        assert builder.final_ldflags()[-len(curand.ldflags()):] == curand.ldflags()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")  # no arch, no GPU here: CPU only, as DeepSpeed without a GPU
+    if not torch.cuda.is_available():
+        builder = builder_class()
+        assert builder.build_for_cpu and "-D__DISABLE_CUDA__" in builder.final_cxx_args()
+        assert builder.final_ldflags()[-1] == "-fopenmp"
