@@ -9,10 +9,14 @@ cache) share the cores: no more than N compilers run, and a build with more file
 the slots the others leave free.
 
 Started with -I -S, it imports only the standard library; with no usable slot folder it runs the
-compiler at once. The slot setting is passed in the environment, not on the command line, so a
-change of it (another core count) does not change the command ninja compares and recompiles nothing.
+compiler at once. Only EWOULDBLOCK/EAGAIN mean a slot is taken: any other error of ``flock`` (ENOSYS,
+EOPNOTSUPP, ENOLCK: a filesystem without file locks) makes the folder unusable, said in one line on
+stderr, instead of a wait that would never end. The slot setting is passed in the environment, not on
+the command line, so a change of it (another core count) does not change the command ninja compares
+and recompiles nothing.
 """
 
+import errno
 import fcntl
 import os
 import sys
@@ -33,9 +37,13 @@ def _take_slot(folder: str, count: int) -> int | None:
             usable = True
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except OSError as exc:
                 os.close(fd)
-                continue
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
+                    continue
+                sys.stderr.write(f"opbuilder: compile slots in {folder} cannot be locked ({os.strerror(exc.errno or 0)}); "
+                                 "compiling without waiting for a free core\n")
+                return None
             return fd
         if not usable:
             return None

@@ -8,7 +8,6 @@ before this process loads the published library, and an edit recompiles only wha
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
@@ -48,6 +47,7 @@ class BuildSpec:
     project_files: list[str] = field(default_factory=list)  # sources and the headers they include
     digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
+    skipped: str | None = None  # sources left out of this build and why ("kernel.cu: torch was built without CUDA")
 
 
 _SAY_LOCK = threading.Lock()
@@ -102,7 +102,7 @@ def _load_failure(spec: BuildSpec, artifact: Path, exc: BaseException) -> str:
         return (
             f"opbuilder: op {spec.op!r} compiled, but its library does not load: it uses {symbol}, which no "
             f"source of the op and no library it links defines (declared but not defined? a source missing "
-            f"from sources()?). Library: {artifact}"
+            f"from sources()?). Library: {artifact}" + (f"\nNot built here: {spec.skipped}" if spec.skipped else "")
         )
     return f"opbuilder: op {spec.op!r} compiled, but its library does not load: {text}"
 
@@ -127,7 +127,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
     slot = cache.Slot(spec.op, spec.key)
     if _good_build(slot, reject_build_id):
         return slot.path
-    from filelock import FileLock, Timeout
+    from opbuilder.locks import FileLock, Timeout
 
     cache.ensure_dir(slot.op_dir)
     cache.check_trusted(slot)
@@ -154,7 +154,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
         if _good_build(slot, reject_build_id):
             return slot.path
         failure = cache.read_failure(slot)
-        if waited and failure is not None and float(failure.get("time", 0)) >= waited_since:
+        if waited and failure is not None and failure["time"] is not None and failure["time"] >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
         return _build(spec, slot)
     finally:
@@ -172,7 +172,7 @@ def _good_build(slot: cache.Slot, reject_build_id: str | None) -> bool:
 
 
 def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
-    from filelock import FileLock
+    from opbuilder.locks import FileLock
 
     cache.remove_stray_tmp_dirs(slot)
     targets = "cpu" + (f" + cuda {','.join(spec.archs)}" if spec.with_cuda else "")
@@ -200,8 +200,14 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
             if not result.artifact.is_file():
                 raise BuildError(f"opbuilder: the build of {spec.op} finished without producing {result.artifact.name}")
             artifact = tmp_dir / f"{spec.name}_{spec.key[:12]}.so"
-            shutil.copy2(result.artifact, artifact)
-        (tmp_dir / cache.LOG).write_text(result.log)
+            try:
+                shutil.copy2(result.artifact, artifact)
+            except OSError as exc:  # a full disk, most likely: named as such; tmp_dir goes below
+                raise cache.cache_error(slot.op_dir, exc) from exc
+        try:
+            (tmp_dir / cache.LOG).write_text(result.log)
+        except OSError as exc:
+            raise cache.cache_error(slot.op_dir, exc) from exc
         seconds = time.time() - started
         manifest = {
             "op": spec.op,
@@ -222,9 +228,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Path:
         try:
             published = cache.publish(slot, tmp_dir, manifest)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise CacheError(cache.full_message(slot.op_dir, os.strerror(exc.errno))) from exc
-            raise
+            raise cache.cache_error(slot.op_dir, exc) from exc
         say(f"built {spec.op} in {seconds:.1f} s ({len(result.compiled)} of {result.total} files compiled)")
         return published
     finally:
@@ -250,10 +254,18 @@ def _reason(spec: BuildSpec, slot: cache.Slot) -> str:
         return "first build here"
     ours = spec.inputs
     files_a, files_b = newest.get("files") or {}, ours.get("files") or {}
-    changed = sorted(n for n in set(files_a) | set(files_b) if files_a.get(n) != files_b.get(n))
+    # By content: a file whose bytes the last build had under another name (a moved project) is no change.
+    contents_a, contents_b = set(files_a.values()), set(files_b.values())
+    changed = sorted(n for n, digest in files_b.items() if files_a.get(n) != digest and digest not in contents_a)
     if changed:
         more = f" and {len(changed) - 2} more" if len(changed) > 2 else ""
         return ", ".join(os.path.basename(n) for n in changed[:2]) + more + " changed"
+    removed = sorted(n for n, digest in files_a.items() if n not in files_b and digest not in contents_b)
+    if removed:
+        return ", ".join(os.path.basename(n) for n in removed[:2]) + " no longer part of the op"
+    if set(files_a) != set(files_b):
+        moved = sorted(set(files_b) ^ set(files_a))
+        return (f"the same files under other paths (e.g. {moved[0]}): their contents are unchanged")
     for name, label in (("abi", "torch ABI"), ("torch", "torch"), ("torch_cuda", "torch's CUDA"), ("python", "Python")):
         if newest.get(name) != ours.get(name):
             return f"{label} changed ({newest.get(name)} -> {ours.get(name)})"

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import stat
@@ -41,6 +42,8 @@ def ensure_dir(path: Path) -> Path:
         while not probe.exists() and probe != probe.parent:
             missing.append(probe)
             probe = probe.parent
+        if not env.trust_shared_cache() and path.is_relative_to(env.cache_root()):
+            check_chain(probe)  # nothing is written into a cache that would be refused at load
         for folder in reversed(missing):  # each new folder private (the root included) unless shared
             folder.mkdir(mode=0o777 if env.trust_shared_cache() else 0o700, exist_ok=True)
     except OSError as exc:
@@ -454,11 +457,19 @@ def record_failure(slot: Slot, message: str, log_text: str) -> Path:
 
 
 def read_failure(slot: Slot) -> dict | None:
+    """The failure record of ``slot``, or None. Its ``time`` is a finite float or None (a record
+    written by hand or damaged), its ``message`` a string."""
     try:
         record = json.loads(slot.failure_path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    when = record.get("time")
+    valid = isinstance(when, (int, float)) and not isinstance(when, bool) and math.isfinite(when)
+    record["time"] = float(when) if valid else None
+    record["message"] = str(record.get("message") or "opbuilder: the build failed (its record gives no message)")
+    return record
 
 
 def remove_stray_tmp_dirs(slot: Slot) -> None:

@@ -14,6 +14,18 @@ After the build, the compiler's own dependency records are read: a header it rea
 the snapshot and outside torch, CUDA, Python and the system (reached by ``#include MACRO``, ``CPATH``,
 a ``-I`` of the user's flags) is remembered per op and hashed into later keys.
 
+Objects are reused by content, not by time stamps. ninja alone decides by mtimes: an object dated later
+than its sources is taken as up to date. When the clock is stepped back, or hosts with skewed clocks share
+a cache, an edited source can be dated earlier than the stale object, ninja compiles nothing, and the old
+library would be published under the new key. So each object has a record (``objects.json`` in the work
+folder, written after every build that ended by itself): its own sha256 and the sha256 of every file its
+compile read that the key covers by content (the snapshot, the generated namespace file, headers found
+outside the include paths; from ninja's dependency log). Before ninja runs, an object whose record is
+missing or no longer matches is removed, so ninja compiles it again whatever the clocks say (and links
+again: what depends on a rebuilt target is rebuilt, whatever its time stamp). ninja's ``restat`` would not
+help: it spares the targets of an output that did not change, but never notices an input dated too early.
+A record costs a hash of the op's own files, not of torch's headers, which the key covers by version.
+
 The build namespace (``opb_<op>_<key12>``) lives in one generated translation unit, not in a flag, so a
 new key does not recompile every file. ninja runs in a session of its own, under a launcher that asks
 the kernel to end it with this process; a build killed by a signal, or interrupted, ends every compiler
@@ -248,6 +260,62 @@ def _clear_interrupted(work: Path) -> None:
             so.unlink()
 
 
+_OBJECT_RECORD = "objects.json"
+
+
+def _sha256(path: str, memo: dict[str, str]) -> str:
+    if path not in memo:
+        try:
+            memo[path] = cache.sha256_file(Path(path))
+        except OSError:
+            memo[path] = "missing"
+    return memo[path]
+
+
+def _drop_unproven_objects(work: Path) -> None:
+    """Remove every object whose record (see the module's docstring) is missing or no longer matches the
+    object or the files it was compiled from: ninja then compiles it again whatever the time stamps say,
+    and links the library again (a target whose input it rebuilds is rebuilt too)."""
+    try:
+        record = json.loads((work / _OBJECT_RECORD).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if not isinstance(record, dict):
+        record = {}
+    memo: dict[str, str] = {}
+    for obj in work.glob("*.o"):
+        entry = record.get(obj.name)
+        inputs = entry.get("inputs") if isinstance(entry, dict) else None
+        proven = (
+            isinstance(inputs, dict) and bool(inputs)
+            and entry.get("object") == _sha256(str(obj), memo)
+            and all(isinstance(digest, str) and _sha256(path, memo) == digest for path, digest in inputs.items())
+        )
+        if not proven:
+            with contextlib.suppress(FileNotFoundError):
+                obj.unlink()
+
+
+def _record_objects(work: Path, deps: dict[str, list[str]]) -> None:
+    """Write the record of every object in ``work`` whose dependencies ninja logged. Call after ninja
+    ended by itself, before anything changes the snapshot: each object left is then whole and was
+    compiled from the files as they are now (an older one survived ``_drop_unproven_objects``).
+    Without ninja's dependency log the old record stays: an entry proves only the object of its own sha256."""
+    if not deps:
+        return
+    inside, covered = str(work) + os.sep, tuple(_covered_roots())
+    memo: dict[str, str] = {}
+    record = {}
+    for obj in sorted(work.glob("*.o")):
+        files = deps.get(obj.name)
+        if not files:
+            continue  # never proven: compiled again by the next build
+        inputs = {p: _sha256(p, memo) for p in files if p.startswith(inside) or not os.path.realpath(p).startswith(covered)}
+        if inputs:
+            record[obj.name] = {"object": _sha256(str(obj), memo), "inputs": inputs}
+    _write_if_changed(work / _OBJECT_RECORD, json.dumps(record, indent=1, sort_keys=True).encode())
+
+
 # What torch.utils.cpp_extension reads from the environment when it writes a build file.
 _CPP_EXTENSION_ENV = ("CXX", "CC", "PYTORCH_NVCC", "CUDA_HOME", "CUDA_PATH", "TORCH_CUDA_ARCH_LIST",
                       "TORCH_EXTENSION_SKIP_NVCC_GEN_DEPENDENCIES", "TORCH_DONT_CHECK_COMPILER_ABI")
@@ -268,9 +336,11 @@ def write_ninja(spec, work: Path) -> Path:
     includes = [str(snapshot_path(work, p)) for p in spec.include_paths]
     # Headers no include path predicts are still found where they are (and then keyed: _discover).
     originals = list(dict.fromkeys([*spec.include_paths, *(os.path.dirname(s) for s in spec.sources)]))
-    fallback = [f"-idirafter{d}" for d in originals]
+    # cpp_extension writes extra flags into the build file as they are, for a shell: quoted, so a folder
+    # with a space stays one argument (it quotes the include paths it is given itself).
+    fallback = [shlex.quote(f"-idirafter{d}") for d in originals]
     # nvcc has no -idirafter; its -I here come after the snapshot's (cpp_extension puts those first).
-    cuda_fallback = [f"-I{d}" for d in originals]
+    cuda_fallback = [shlex.quote(f"-I{d}") for d in originals]
     cxx = toolchain.cxx_path()
     nvcc = toolchain.nvcc_path() if spec.with_cuda else None
     made_from = json.dumps([spec.name, sources, includes, fallback, cuda_fallback, spec.cxx_args, spec.nvcc_args, spec.ldflags,
@@ -281,15 +351,7 @@ def write_ninja(spec, work: Path) -> Path:
     with contextlib.suppress(OSError):
         if target.is_file() and memo.read_text() == made_from:
             return target
-    from torch.utils import cpp_extension as cpp
-
-    if spec.with_cuda and cpp.CUDA_HOME and toolchain.cuda_home():
-        if os.path.realpath(cpp.CUDA_HOME) != os.path.realpath(toolchain.cuda_home()):
-            raise BuildError(
-                f"opbuilder: torch.utils.cpp_extension uses the CUDA toolkit {cpp.CUDA_HOME} (found when it was "
-                f"imported) but opbuilder keyed this build for {toolchain.cuda_home()}; set CUDA_HOME before "
-                "importing torch.utils.cpp_extension"
-            )
+    cpp = toolchain.cpp_extension(cuda=spec.with_cuda)
     ldflags = cpp._prepare_ldflags(list(spec.ldflags), spec.with_cuda, False, False, False)
     draft = work / "build.ninja.draft"
     cpp._write_ninja_file_to_build_library(
@@ -312,7 +374,15 @@ def write_ninja(spec, work: Path) -> Path:
 # ---- running ninja ---------------------------------------------------------------------------------
 
 _STATUS = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
-_SOURCE = re.compile(r" -c (\S+)")
+
+
+def _compiled_source(command: str) -> str | None:
+    """The file a compile command compiles (the argument after ``-c``; ninja quotes it for the shell)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    return next((words[i + 1] for i, word in enumerate(words[:-1]) if word == "-c"), None)
 
 
 def _ninja() -> str:
@@ -340,15 +410,17 @@ def build(spec, say) -> Result:
     _clear_interrupted(work)
     (work / _MARKER).write_text(str(os.getpid()))
     write_ninja(spec, work)
+    _drop_unproven_objects(work)
     code, log, compiled, total = _run_ninja(spec, work, say)
     if code < 0:
         raise BuildError(_killed_message(spec, -code, log))
+    deps = _deps(work)
+    # ninja exited by itself: it removed what it had not finished, the objects left are whole.
+    _record_objects(work, deps)
+    (work / _MARKER).unlink()
     if code != 0:
-        # ninja exited by itself: it removed what it had not finished, the objects left are whole.
-        (work / _MARKER).unlink()
         raise CompileFailed(original_text(work, log))
-    (work / _MARKER).unlink()  # every object is whole: a re-key below must reuse them
-    _discover(spec, work)
+    _discover(spec, work, deps)  # every object is whole: a re-key here reuses them
     return Result(work / f"{spec.name}.so", compiled, total, original_text(work, log))
 
 
@@ -392,9 +464,9 @@ def _run_ninja(spec, work: Path, say) -> tuple[int, str, list[str], int]:
             lines.append(line)
             match = _STATUS.match(line)
             if match:
-                source = _SOURCE.search(match.group(3))
-                if source and not source.group(1).endswith(_NAMESPACE_TU):
-                    compiled.append(os.path.basename(source.group(1)))
+                source = _compiled_source(match.group(3))
+                if source and not source.endswith(_NAMESPACE_TU):
+                    compiled.append(os.path.basename(source))
                 if terminal and time.monotonic() - started > 2.0 and source:
                     for name in compiled[shown:]:
                         shown += 1
@@ -440,19 +512,33 @@ def _covered_roots() -> list[str]:
     return [os.path.realpath(r) + os.sep for r in roots if r]
 
 
-def _discover(spec, work: Path) -> None:
-    """Remember the headers the compiler read outside the snapshot and outside torch/CUDA/system
-    folders; if the key did not cover one, raise SourcesChanged so that the caller keys it."""
+def _deps(work: Path) -> dict[str, list[str]]:
+    """Each target of the work folder's build -> the files its compile read (absolute paths), from
+    ninja's dependency log; a target without recorded dependencies is left out."""
     out = subprocess.run([_ninja(), "-C", str(work), "-t", "deps"], capture_output=True, text=True, errors="replace")
     if out.returncode != 0:
-        return
+        return {}
+    deps: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in out.stdout.splitlines():
+        if line.startswith(" "):
+            if current is not None:
+                current.append(os.path.abspath(os.path.join(str(work), line.strip())))
+        elif ": #deps " in line:
+            target = line.split(": #deps ", 1)[0]
+            current = deps.setdefault(target, [])
+        else:
+            current = None
+    return {target: files for target, files in deps.items() if files}
+
+
+def _discover(spec, work: Path, deps: dict[str, list[str]]) -> None:
+    """Remember the headers the compiler read outside the snapshot and outside torch/CUDA/system
+    folders; if the key did not cover one, raise SourcesChanged so that the caller keys it."""
     inside = (str(work) + os.sep,)
     covered = tuple(_covered_roots())
     found: set[str] = set()
-    for line in out.stdout.splitlines():
-        if not line.startswith(" "):
-            continue
-        path = os.path.abspath(os.path.join(str(work), line.strip()))
+    for path in (p for files in deps.values() for p in files):
         if path.startswith(inside) or os.path.realpath(path).startswith(covered):
             continue
         found.add(path)

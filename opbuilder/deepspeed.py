@@ -44,7 +44,6 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -304,19 +303,21 @@ class CUDAOpBuilder(OpBuilder):
         """The archs this op builds for, as [major, minor] pairs; a subclass prunes (DeepSpeed's hook)."""
         return [cc.split(".") for cc in ccs]
 
-    @cached_property
-    def _kept_archs(self) -> list[str]:
-        kept = self.filter_ccs(list(toolchain.cuda_archs()))
-        return [cc if isinstance(cc, str) else ".".join(cc) for cc in kept]
-
     def cuda_archs(self) -> list[str]:
-        return self._kept_archs
+        """opbuilder's archs after ``filter_ccs()``, asked once per list of archs (it may log what it prunes)."""
+        archs = tuple(_base.OpBuilder.cuda_archs(self))
+        if self.__dict__.get("_filtered_from") != archs:
+            kept = self.filter_ccs(list(archs))
+            self.__dict__["_filtered"] = [cc if isinstance(cc, str) else ".".join(cc) for cc in kept]
+            self.__dict__["_filtered_from"] = archs
+        return list(self.__dict__["_filtered"])
 
     def cuda_toolchain_reason(self) -> str | None:
         if self.is_rocm_pytorch():
             return "torch is a ROCm build, and opbuilder does not hipify or build HIP ops"
-        if not self.cuda_archs() and toolchain.cuda_archs():
-            return (f"its filter_ccs() keeps none of the CUDA archs {';'.join(toolchain.cuda_archs())} "
+        offered = _base.OpBuilder.cuda_archs(self)
+        if not self.cuda_archs() and offered:
+            return (f"its filter_ccs() keeps none of the CUDA archs {';'.join(offered)} "
                     "(set TORCH_CUDA_ARCH_LIST to archs it supports)")
         return super().cuda_toolchain_reason()
 

@@ -6,6 +6,7 @@ between calls. Nothing here writes to ``os.environ``.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -18,6 +19,7 @@ VARIABLES: dict[str, str] = {
     "OPB_CPU_ARCH": "Value for -march on CPU code (default 'native' for JIT builds; 'none' omits it).",
     "OPB_TRUST_SHARED_CACHE": "1 loads from a cache that other users own or can write to (a deliberately shared cache).",
     "OPB_FALLBACK": "0 makes an op that cannot be built or loaded here an error, instead of falling back to the next implementation (default 1).",
+    "OPB_CXX_AUTOGRAD": "0 records the built-in ops' gradients through Python autograd.Functions instead of their C++ path (default 1: the C++ glue, built once a torch version, in the background when first needed).",
     "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
     "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
     "DS_BUILD_OPS": "1 makes opbuilder.deepspeed.prebuild() compile every DeepSpeed-style op it is given that can be built here.",
@@ -29,7 +31,13 @@ VARIABLES: dict[str, str] = {
     "PYTORCH_NVCC": "The nvcc command torch.utils.cpp_extension runs instead of $CUDA_HOME/bin/nvcc; part of the key.",
     "OPB_DEBUG": "1 builds with debug info (host -g, device -lineinfo) into its own key; 'device' adds nvcc -G.",
     "LD_LIBRARY_PATH": "Read (never set) to find the OpenMP runtime torch's library links, as the dynamic loader does.",
+    "CPATH": "Read (never set): folders the compilers search for headers; part of the cache key (a switch rebuilds).",
+    "C_INCLUDE_PATH": "Read (never set): as CPATH, for C; part of the cache key.",
+    "CPLUS_INCLUDE_PATH": "Read (never set): as CPATH, for C++; part of the cache key.",
 }
+
+#: The variables through which the compilers find headers that no flag names.
+INCLUDE_PATH_VARIABLES = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")
 
 
 def _get(name: str) -> str | None:
@@ -59,8 +67,8 @@ def lock_timeout() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"OPB_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"OPB_LOCK_TIMEOUT must be >= 0 seconds, got {raw!r}")
+    if not math.isfinite(value) or value < 0:  # nan would never time out
+        raise ValueError(f"OPB_LOCK_TIMEOUT must be a finite number of seconds >= 0, got {raw!r}")
     return value
 
 
@@ -68,12 +76,17 @@ def verbose() -> bool:
     return _flag("OPB_VERBOSE")
 
 
+#: The most compilers OPB_MAX_JOBS may ask for (ninja's -j takes an int; no machine has more cores).
+MAX_JOBS_LIMIT = 4096
+
+
 def max_jobs() -> int | None:
     raw = _get("OPB_MAX_JOBS")
     if raw is None:
         return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"OPB_MAX_JOBS must be a positive integer, got {raw!r}")
+    # ASCII digits only: str.isdigit() also accepts '²' and other digits int() refuses.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_JOBS_LIMIT:
+        raise ValueError(f"OPB_MAX_JOBS must be a whole number from 1 to {MAX_JOBS_LIMIT}, got {raw!r}")
     return int(raw)
 
 
@@ -122,6 +135,11 @@ def ld_library_path() -> list[str]:
     return [d for d in (os.environ.get("LD_LIBRARY_PATH") or "").split(os.pathsep) if d]
 
 
+def include_path_variables() -> dict[str, str]:
+    """The header search path variables that are set (as set: an empty element means the current folder)."""
+    return {name: os.environ[name] for name in INCLUDE_PATH_VARIABLES if os.environ.get(name) is not None}
+
+
 def trust_shared_cache() -> bool:
     return _flag("OPB_TRUST_SHARED_CACHE")
 
@@ -129,6 +147,11 @@ def trust_shared_cache() -> bool:
 def fallback() -> bool:
     """Whether a call falls back to the next implementation when one cannot be built or loaded here."""
     return _get("OPB_FALLBACK") is None or _flag("OPB_FALLBACK")
+
+
+def cxx_autograd() -> bool:
+    """Whether gradients of the built-in ops take their C++ path (``OPB_CXX_AUTOGRAD``, default on)."""
+    return _get("OPB_CXX_AUTOGRAD") is None or _flag("OPB_CXX_AUTOGRAD")
 
 
 def build_all_ops() -> bool:
