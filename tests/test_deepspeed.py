@@ -135,37 +135,36 @@ def import_builder(project: Path, relpath: str, old: str, new: str) -> ModuleTyp
     return module
 
 
+def builder_classes(project: Path, files: dict[str, tuple[str, str]]) -> dict[str, type]:
+    """{class name: class} of the builder files ``{relpath: (class name, base class)}`` in ``project``, each with
+    ``from .builder import <base>`` changed to ``from opbuilder.deepspeed import <base>``."""
+    return {cls: getattr(import_builder(project, relpath, f"from .builder import {base}",
+                                        f"from opbuilder.deepspeed import {base}"), cls)
+            for relpath, (cls, base) in files.items()}
+
+
 @pytest.fixture(scope="session")
 def new_builders(ds_sdist: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, type]:
     """DeepSpeed 0.19.8's builder classes by name, from a project with one line changed per builder file."""
     project = make_project(ds_sdist(DS_VERSION), tmp_path_factory.mktemp("ds-new"))
-    classes = {}
-    for relpath, cls in [("op_builder/cpu/cpu_adam.py", "CPUAdamBuilder"),
-                         ("op_builder/cpu/cpu_adagrad.py", "CPUAdagradBuilder"),
-                         ("op_builder/cpu/cpu_lion.py", "CPULionBuilder")]:
-        module = import_builder(project, relpath, "from .builder import CPUOpBuilder",
-                                "from opbuilder.deepspeed import CPUOpBuilder")
-        classes[cls] = getattr(module, cls)
-    for relpath, cls in [("op_builder/fused_adam.py", "FusedAdamBuilder"),
-                         ("op_builder/fused_lion.py", "FusedLionBuilder"),
-                         ("op_builder/fused_lamb.py", "FusedLambBuilder")]:
-        module = import_builder(project, relpath, "from .builder import CUDAOpBuilder",
-                                "from opbuilder.deepspeed import CUDAOpBuilder")
-        classes[cls] = getattr(module, cls)
-    return classes
+    return builder_classes(project, {
+        "op_builder/cpu/cpu_adam.py": ("CPUAdamBuilder", "CPUOpBuilder"),
+        "op_builder/cpu/cpu_adagrad.py": ("CPUAdagradBuilder", "CPUOpBuilder"),
+        "op_builder/cpu/cpu_lion.py": ("CPULionBuilder", "CPUOpBuilder"),
+        "op_builder/fused_adam.py": ("FusedAdamBuilder", "CUDAOpBuilder"),
+        "op_builder/fused_lion.py": ("FusedLionBuilder", "CUDAOpBuilder"),
+        "op_builder/fused_lamb.py": ("FusedLambBuilder", "CUDAOpBuilder"),
+    })
 
 
 @pytest.fixture(scope="session")
 def old_builders(ds_sdist: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, type]:
     """DeepSpeed 0.17.6's TorchCPUOpBuilder builders by name."""
     project = make_project(ds_sdist(DS_OLD_VERSION), tmp_path_factory.mktemp("ds-old"))
-    classes = {}
-    for relpath, cls in [("op_builder/cpu_adagrad.py", "CPUAdagradBuilder"),
-                         ("op_builder/cpu_adam.py", "CPUAdamBuilder")]:
-        module = import_builder(project, relpath, "from .builder import TorchCPUOpBuilder",
-                                "from opbuilder.deepspeed import TorchCPUOpBuilder")
-        classes[cls] = getattr(module, cls)
-    return classes
+    return builder_classes(project, {
+        "op_builder/cpu_adagrad.py": ("CPUAdagradBuilder", "TorchCPUOpBuilder"),
+        "op_builder/cpu_adam.py": ("CPUAdamBuilder", "TorchCPUOpBuilder"),
+    })
 
 
 @pytest.fixture(scope="session")
