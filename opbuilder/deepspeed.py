@@ -40,7 +40,6 @@ import logging
 import os
 import platform
 import re
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable
