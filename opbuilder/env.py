@@ -22,6 +22,8 @@ VARIABLES: dict[str, str] = {
     "OPB_CXX_AUTOGRAD": "0 records the built-in ops' gradients through Python autograd.Functions instead of their C++ path (default 1: the C++ glue, built once a torch version, in the background when first needed).",
     "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
     "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
+    "DS_BUILD_OPS": "1 makes opbuilder.deepspeed.prebuild() compile every DeepSpeed-style op it is given that can be built here.",
+    "DS_BUILD_<OP>": "A DeepSpeed builder's BUILD_VAR: 1 makes opbuilder.deepspeed.prebuild() compile that op, 0 excludes it (OPB_BUILD_<OP> wins when both are set).",
     "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
     "CUDA_HOME": "CUDA toolkit root (else CUDA_PATH, else the folder of nvcc on PATH, else /usr/local/cuda).",
     "CXX": "Host C++ compiler (default c++), as torch.utils.cpp_extension uses it.",
@@ -154,6 +156,11 @@ def cxx_autograd() -> bool:
 
 def build_all_ops() -> bool:
     return _flag("OPB_BUILD_OPS")
+
+
+def build_all_ds_ops() -> bool:
+    """DeepSpeed's ``DS_BUILD_OPS`` (read by ``opbuilder.deepspeed.prebuild``)."""
+    return _flag("DS_BUILD_OPS")
 
 
 def build_var(name: str) -> bool | None:

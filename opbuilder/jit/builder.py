@@ -215,6 +215,16 @@ class OpBuilder:
         """Why the CUDA sources will not be built here, or None when they will be."""
         if not any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
             return "the op has no CUDA sources"
+        reason = self.cuda_toolchain_reason()
+        if reason is not None:
+            return reason
+        missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
+        if missing:
+            return f"CUDA libraries not found: {', '.join(missing)} (install their nvidia-* wheels or a full CUDA toolkit)"
+        return None
+
+    def cuda_toolchain_reason(self) -> str | None:
+        """Why no CUDA source could be compiled here, whatever the op's sources, or None."""
         if toolchain.torch_cuda_version() is None and self._check_archs is None:
             return "torch was built without CUDA"
         if toolchain.nvcc_path() is None:
@@ -223,9 +233,6 @@ class OpBuilder:
             if self._check_archs is not None:
                 return "no CUDA arch to compile for: set TORCH_CUDA_ARCH_LIST (e.g. 9.0) or pass the archs"
             return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
-        missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
-        if missing:
-            return f"CUDA libraries not found: {', '.join(missing)} (install their nvidia-* wheels or a full CUDA toolkit)"
         return None
 
     def with_cuda(self) -> bool:
@@ -435,9 +442,10 @@ class OpBuilder:
         sources = self.built_sources(with_cuda)
 
         def incompatible() -> list[str]:
-            if verbose:
-                self.is_compatible(verbose=True)
-            return self.incompatibility_reasons()
+            reasons = self.incompatibility_reasons()
+            if verbose and not reasons:
+                self.is_compatible(verbose=True)  # says which part is built (CPU only, and why)
+            return reasons
 
         def rekey() -> BuildSpec:
             self.refresh()

@@ -355,6 +355,12 @@ def _cuda_library_roots() -> list[Path]:
 
 
 @functools.lru_cache(maxsize=None)
+def cuda_header_dir(header: str) -> Path | None:
+    """The folder holding a CUDA library's ``header`` (``cusparse.h``), from the nvidia wheels or the toolkit."""
+    return next((root / "include" for root in _cuda_library_roots() if (root / "include" / header).is_file()), None)
+
+
+@functools.lru_cache(maxsize=None)
 def find_cuda_library(name: str) -> CudaLibrary | None:
     """A CUDA library (``name`` as in ``cublasLt``: header ``cublasLt.h``, ``libcublasLt.so*``), from
     the nvidia wheels or the CUDA toolkit; None when absent."""
