@@ -46,6 +46,8 @@ class RemoteCache(ABC):
 
     #: Where it is, for messages and ``opbuilder report``: never a password.
     where: str
+    #: Where this user's entries live in the store (a key prefix, a bucket folder).
+    prefix: str
 
     @abstractmethod
     def ping(self) -> None:

@@ -312,7 +312,7 @@ class Tier:
                 return "free"
             if state.lease_holder not in holders:
                 holders.add(state.lease_holder)
-                say(f"waiting for {state.lease_holder} building {op} (remote cache {self.store.where})")
+                say(f"waiting for the build of {op} by {state.lease_holder} (remote cache {self.store.where})")
             if time.monotonic() >= deadline:
                 say(f"gave up after {env.lock_timeout():.0f} s waiting for {state.lease_holder} building {op} "
                     f"(OPB_LOCK_TIMEOUT); building it here")
