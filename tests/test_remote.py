@@ -4,6 +4,7 @@ that are never fatal, leases that outlive no builder, and the CLI's report, fill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -125,9 +126,12 @@ class _Child:
         return code
 
     def kill(self) -> None:
-        """SIGKILL the child's whole session (its ninja and compilers too): a node lost."""
+        """SIGKILL the child's process group (its own session): a node lost. Its ninja dies with it (a
+        parent-death signal) and ends the compilers."""
+        if self.proc.poll() is not None:  # ended and reaped: its id may be another process's by now
+            return
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)  # not reaped yet, so the id is still this child's
         except ProcessLookupError:
             pass
         self.proc.wait(30)
@@ -418,22 +422,31 @@ def _lease_taken(server: RedisServer, prefix: str) -> bool:
     return bool(list(server.client().scan_iter(match=f"{prefix}:lease:add_scale:*")))
 
 
-@pytest.mark.slow
-def test_lease_of_a_killed_builder_expires_and_another_rank_builds(
-        tmp_path: Path, server: RedisServer, secret: Path, prefix: str) -> None:
-    op = write_user_op(tmp_path / "proj")
+@contextlib.contextmanager
+def _building_and_waiting(tmp_path: Path, server: RedisServer, secret: Path, prefix: str, op: Path,
+                          lease: str) -> Iterator[tuple[_Child, _Child, Path]]:
+    """(node 0 building ``op`` with its compiler held at the gate, node 1 waiting for that build, the gate).
+    Node 0 is killed, and the gate opened, on the way out."""
     gate = tmp_path / "gate"
     gate.touch()
-    env = _env(server, secret, prefix, CXX=str(_gated_cxx(tmp_path)), OPB_REMOTE_LEASE_SECONDS="1.5")
+    env = _env(server, secret, prefix, CXX=str(_gated_cxx(tmp_path)), OPB_REMOTE_LEASE_SECONDS=lease)
     builder = _Child(load_snippet(op), {**env, "OPB_CACHE_DIR": str(tmp_path / "node0"), "OPB_TEST_GATE": str(gate)})
     try:
         _until(lambda: _lease_taken(server, prefix), 120, "the first rank to take the build lease")
         waiter = _Child(load_snippet(op), {**env, "OPB_CACHE_DIR": str(tmp_path / "node1")})
         _until(lambda: "opbuilder: waiting for" in waiter.stderr(), 120, "the second rank to wait")
-        builder.kill()  # kill -9 of the builder and its compilers: its lease is renewed no more
+        yield builder, waiter, gate
     finally:
         builder.kill()
-        gate.unlink()  # a compiler that outlived its ninja would go on and end
+        gate.unlink(missing_ok=True)  # a compiler that outlived its ninja would go on and end
+
+
+@pytest.mark.slow
+def test_lease_of_a_killed_builder_expires_and_another_rank_builds(
+        tmp_path: Path, server: RedisServer, secret: Path, prefix: str) -> None:
+    op = write_user_op(tmp_path / "proj")
+    with _building_and_waiting(tmp_path, server, secret, prefix, op, lease="1.5") as (builder, waiter, _gate):
+        builder.kill()  # kill -9 of the builder and its compilers: its lease is renewed no more
     assert waiter.wait() == 0, waiter.stderr()
     assert RESULT in waiter.out
     err = waiter.stderr()
@@ -446,21 +459,11 @@ def test_lease_of_a_killed_builder_expires_and_another_rank_builds(
 def test_failed_build_is_reported_to_waiters_and_a_long_build_keeps_its_lease(
         tmp_path: Path, server: RedisServer, secret: Path, prefix: str) -> None:
     op = write_user_op(tmp_path / "proj", broken=True)
-    gate = tmp_path / "gate"
-    gate.touch()
-    env = _env(server, secret, prefix, CXX=str(_gated_cxx(tmp_path)), OPB_REMOTE_LEASE_SECONDS="1")
-    builder = _Child(load_snippet(op), {**env, "OPB_CACHE_DIR": str(tmp_path / "node0"), "OPB_TEST_GATE": str(gate)})
-    try:
-        _until(lambda: _lease_taken(server, prefix), 120, "the first rank to take the build lease")
-        waiter = _Child(load_snippet(op), {**env, "OPB_CACHE_DIR": str(tmp_path / "node1")})
-        _until(lambda: "opbuilder: waiting for" in waiter.stderr(), 120, "the second rank to wait")
+    with _building_and_waiting(tmp_path, server, secret, prefix, op, lease="1") as (builder, waiter, gate):
         time.sleep(3)  # three lease lives: the builder renews its lease, nobody takes over
         assert _builds(waiter.stderr()) == 0 and "ended without" not in waiter.stderr(), waiter.stderr()
         gate.unlink()  # the compiler runs now, and fails
         assert builder.wait() != 0
-    finally:
-        builder.kill()
-        gate.unlink(missing_ok=True)
     assert waiter.wait() != 0
     err = waiter.stderr()
     assert "BuildError" in err and "add_scale.cpp" in err and "error:" in err, err
