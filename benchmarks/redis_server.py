@@ -29,14 +29,17 @@ class RedisServer:
     """``redis-server`` with no persistence, in ``folder``, on 127.0.0.1 only. ``extra``: more
     ``--option value`` arguments (``--maxmemory 1mb``)."""
 
-    def __init__(self, folder: Path, *extra: str) -> None:
+    def __init__(self, folder: Path, *extra: str, tls: tuple[Path, Path] | None = None) -> None:
         self.folder = folder
         self.extra = list(extra)
+        self.tls = tls  # (certificate, key): TLS only, the certificate also serving as the clients' CA
         self.port = 0
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[0]}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
@@ -53,21 +56,26 @@ class RedisServer:
         for _ in range(5):  # another process may take the free port between the probe and the bind
             self.port = _free_port()
             log = self.folder / f"redis-{self.port}.log"
+            ports = ["--port", str(self.port)] if self.tls is None else \
+                ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls[0]),
+                 "--tls-key-file", str(self.tls[1]), "--tls-auth-clients", "no"]
             with open(log, "w") as out:
                 self.proc = subprocess.Popen(
-                    [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                    [exe, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                      "--dir", str(self.folder), "--daemonize", "no", *self.extra],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
-                if self._answers():
+                if self._answers(log):
                     return self
                 time.sleep(0.05)
             last = log.read_text()[-2000:]
             self.stop()
         raise NoRedisServer(f"redis-server did not start: {last}")
 
-    def _answers(self) -> bool:
+    def _answers(self, log: Path) -> bool:
+        if self.tls is not None:  # no plain-text PING on a TLS port: the server says when it listens
+            return "Ready to accept connections" in log.read_text()
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
                 s.sendall(b"PING\r\n")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,9 +31,9 @@ from opbuilder import cache, remote  # noqa: E402
 RESULT = "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]"
 
 
-def _start(folder: Path, *extra: str) -> RedisServer:
+def _start(folder: Path, *extra: str, tls: tuple[Path, Path] | None = None) -> RedisServer:
     try:
-        return RedisServer(folder, *extra).start()
+        return RedisServer(folder, *extra, tls=tls).start()
     except NoRedisServer as exc:
         pytest.skip(f"the remote tier's tests need a redis-server, and none could be started here: {exc}")
 
@@ -344,6 +345,49 @@ def test_library_over_the_size_limit_is_not_shared(built_user_op: tuple[Path, Pa
         outcome = tier.push(cache.Slot("add_scale", user_op_key(built_user_op[0])), lines.append)
     assert outcome.startswith("not shared") and "OPB_REMOTE_CACHE_MAX_BYTES (1000)" in outcome, outcome
     assert not list(server.client().scan_iter(match=f"{prefix}:build:*"))
+
+
+def test_tls_and_a_password_in_a_file_or_the_url(tmp_path: Path, built_user_op: tuple[Path, Path], secret: Path,
+                                                  prefix: str) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make the TLS server's certificate")
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key_file), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    password = secrets.token_hex(16)
+    tls_server = _start(tmp_path / "redis", "--requirepass", password, tls=(cert, key_file))
+    try:
+        assert tls_server.url.startswith("rediss://")
+        password_file = tmp_path / "password"
+        password_file.write_text(password + "\n")
+        password_file.chmod(0o600)
+        env = _env(tls_server, secret, prefix, OPB_REMOTE_CACHE_PASSWORD_FILE=str(password_file))
+        key = _push(built_user_op, env)  # over TLS, with the password from the file
+        with_url = {**env, "OPB_REMOTE_CACHE": tls_server.url.replace("rediss://", f"rediss://:{password}@"),
+                    "OPB_REMOTE_CACHE_PASSWORD_FILE": ""}
+        wrong = {**with_url, "OPB_REMOTE_CACHE": tls_server.url.replace("rediss://", "rediss://:wrong-password@")}
+        said: list[str] = []
+        seen = {}
+        for name, variables in (("file", env), ("url", with_url), ("wrong", wrong)):
+            with pytest.MonkeyPatch.context() as mp:
+                for var, value in variables.items():
+                    mp.setenv(var, value)
+                tier = remote.tier(said.append)
+                assert tier is not None, said
+                seen[name] = remote.describe()
+                if name != "wrong":
+                    entry = tier.store.get("add_scale", key)
+                    assert entry is not None and entry.signature is not None
+                    assert tier._check("add_scale", key, entry)[1] is None
+        assert seen["file"]["reachable"] and seen["file"]["entries"] == 1, seen["file"]
+        assert seen["url"]["reachable"] and seen["url"]["entries"] == 1, seen["url"]
+        assert seen["wrong"]["reachable"] is False and "AuthenticationError" in seen["wrong"]["why_not"], seen["wrong"]
+        shown = json.dumps(seen) + "".join(said)
+        assert password not in shown and "wrong-password" not in shown, "a password was shown"
+    finally:
+        tls_server.stop()
 
 
 # ---- faults are not fatal ------------------------------------------------------------------------
