@@ -390,6 +390,120 @@ def test_tls_and_a_password_in_a_file_or_the_url(tmp_path: Path, built_user_op: 
         tls_server.stop()
 
 
+class MemoryStore(remote.RemoteCache):
+    """The whole ``RemoteCache`` interface on a dict, as a store other than Redis would implement it; ``down``
+    makes every call fail as an unreachable server's would."""
+
+    def __init__(self) -> None:
+        self.where, self.prefix = "memory://test", "test"
+        self.entries: dict[tuple[str, str], remote.Entry] = {}
+        self.leases: dict[tuple[str, str], tuple[str, float]] = {}
+        self.failures: dict[tuple[str, str], dict] = {}
+        self.down = False
+
+    def _up(self) -> None:
+        if self.down:
+            raise remote.RemoteUnavailable("ConnectionError: memory store switched off")
+
+    def ping(self) -> None:
+        self._up()
+
+    def size(self, op: str, key: str) -> int | None:
+        self._up()
+        entry = self.entries.get((op, key))
+        return len(entry.library) if entry is not None and entry.library else None
+
+    def get(self, op: str, key: str) -> remote.Entry | None:
+        self._up()
+        return self.entries.get((op, key))
+
+    def put(self, op: str, key: str, entry: remote.Entry) -> None:
+        self._up()
+        self.entries[(op, key)] = entry
+        self.failures.pop((op, key), None)
+
+    def _holder(self, op: str, key: str) -> str | None:
+        owner, until = self.leases.get((op, key), (None, 0.0))
+        return owner if until > time.monotonic() else None
+
+    def state(self, op: str, key: str) -> remote.State:
+        self._up()
+        return remote.State((op, key) in self.entries, self._holder(op, key), self.failures.get((op, key)))
+
+    def acquire_lease(self, op: str, key: str, owner: str, seconds: float) -> bool:
+        self._up()
+        if self._holder(op, key) is not None:
+            return False
+        self.leases[(op, key)] = (owner, time.monotonic() + seconds)
+        return True
+
+    def renew_lease(self, op: str, key: str, owner: str, seconds: float) -> bool:
+        self._up()
+        if self._holder(op, key) != owner:
+            return False
+        self.leases[(op, key)] = (owner, time.monotonic() + seconds)
+        return True
+
+    def release_lease(self, op: str, key: str, owner: str) -> None:
+        self._up()
+        if self._holder(op, key) == owner:
+            del self.leases[(op, key)]
+
+    def put_failure(self, op: str, key: str, record: dict, seconds: float) -> None:
+        self._up()
+        self.failures[(op, key)] = record
+
+    def remove(self, ops: list[str] | None) -> int:
+        self._up()
+        gone = [k for k in self.entries if ops is None or k[0] in ops]
+        for k in gone:
+            del self.entries[k]
+        return len(gone)
+
+    def count(self) -> int:
+        self._up()
+        return len(self.entries)
+
+
+def test_the_tier_on_another_store_outage_said_once_then_recovery(
+        tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import copy_cache
+
+    from opbuilder.remote.tier import Tier
+
+    store = MemoryStore()
+    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
+    key = user_op_key(built_user_op[0])
+    builder_cache = copy_cache(built_user_op[1], tmp_path / "builder")
+    monkeypatch.setenv("OPB_CACHE_DIR", str(builder_cache))
+    slot = cache.Slot("add_scale", key)
+    said: list[str] = []
+    builds: list[int] = []
+
+    def build() -> Path:  # the node's own build: here, the one already in its cache
+        builds.append(1)
+        return slot.path
+
+    store.down = True
+    for _ in range(2):  # an outage: the op is built here, and said once
+        assert tier.obtain(slot, build, said.append) == slot.path
+        tier._down_until = 0.0  # as if the pause after a fault had passed
+    assert len(builds) == 2 and store.entries == {}
+    assert [ln for ln in said if "failed" in ln] == said and len(said) == 1, said
+
+    store.down = False
+    assert tier.obtain(slot, build, said.append) == slot.path  # built under the lease, then shared
+    assert said[1] == "remote cache memory://test answers again", said
+    assert len(builds) == 3 and (("add_scale", key) in store.entries) and not store.leases
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "other-node"))
+    fetched = tier.obtain(cache.Slot("add_scale", key), build, said.append)
+    assert len(builds) == 3, "a stored entry is downloaded, not built"
+    artifact, manifest, why = cache.check_build(fetched)
+    assert artifact is not None and manifest is not None and manifest["remote"]["from"] == "memory://test", why
+    assert said[-1].startswith("fetched add_scale from the remote cache memory://test"), said
+
+
 # ---- faults are not fatal ------------------------------------------------------------------------
 
 MID_RUN = """

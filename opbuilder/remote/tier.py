@@ -204,7 +204,7 @@ class _Renewer:
         while not self._stop.wait(seconds / 3):
             try:
                 if not self._store.renew_lease(*self._args):
-                    return  # lost (it expired while this process stalled): the build goes on, unshared lease
+                    return  # lost: it expired while this process stalled (another rank may build too); go on
             except RemoteUnavailable:
                 return
 
@@ -242,6 +242,14 @@ class Tier:
         later = f"; not asked again for {COOLDOWN:.0f} s" if exc.down else ""
         say(f"remote cache {self.store.where} failed ({exc}): {what}{later}")
 
+    def _answered(self, say: Say) -> None:
+        """The store answered: after an outage, say so once, so that the next outage is said too."""
+        with _LOCK:
+            if "down" not in self._warned:
+                return
+            self._warned.discard("down")
+        say(f"remote cache {self.store.where} answers again")
+
     def _refuse(self, op: str, key: str, why: str, say: Say) -> None:
         _count("refused")
         say(f"remote cache: refusing {op}'s entry {key} from {self.store.where}: {why}; building it here "
@@ -263,6 +271,7 @@ class Tier:
         owner = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
         try:
             found = self._fetch(slot, say, reject_build_id)
+            self._answered(say)
             if isinstance(found, Path):
                 return found
             if found == "refused":
