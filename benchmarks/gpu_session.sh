@@ -60,6 +60,27 @@ if [[ " $steps " == *" buildspeed "* ]]; then
 step "build and edit-loop times beside cpp_extension.load"
 timeout 400 $py benchmarks/build_speed.py --cuda --repeat "${BUILD_REPEAT:-3}" --json "$out/build_speed.json" 2>&1 | tail -12
 fi
+if [[ " $steps " == *" train "* ]]; then
+mkdir -p "$out/train"
+step "the C++ gradient path: loaded after build --all"
+$py -c "from opbuilder import cxx_autograd; print('C++ gradient path:', cxx_autograd.load(wait=True), cxx_autograd.state())"
+step "training step, one GPU (benchmarks/train_step.py ${TRAIN_ARGS:-})"
+timeout "${TRAIN_TIMEOUT:-300}" $py benchmarks/train_step.py ${TRAIN_ARGS:-} --json "$out/train/train_step.json" 2>&1 | tail -8
+step "host time per call, CUDA and CPU tensors (benchmarks/host_overhead.py)"
+timeout 200 $py benchmarks/host_overhead.py --device cuda --json "$out/train/host_cuda.json" 2>&1 | tail -17
+timeout 200 $py benchmarks/host_overhead.py --device cpu --json "$out/train/host_cpu.json" 2>&1 | tail -17
+step "profile of a step (benchmarks/profile_step.py)"
+timeout 200 $py benchmarks/profile_step.py --out "$out/train" --rows 20 >/dev/null 2>&1; ls "$out/train"
+fi
+
+if [[ " $steps " == *" multigpu "* ]]; then
+mkdir -p "$out/train"
+n=$($py -c "import torch; print(torch.cuda.device_count())")
+step "benchmarks/multi_gpu.py on $n GPUs (${MULTI_ARGS:-default size})"
+OPB_CACHE_DIR="${MULTI_CACHE:-$OPB_CACHE_DIR}" timeout "${MULTI_TIMEOUT:-300}" torchrun --nproc_per_node "$n" benchmarks/multi_gpu.py \
+    ${MULTI_ARGS:-} --json "$out/train/multi_gpu${MULTI_TAG:-}.json" 2>&1 | grep -v "^W1\|^  warnings" | tail -40
+fi
+
 if [[ " $steps " == *" tests "* ]]; then
 step "tests (all but the slow ones), 8 workers"
 timeout "${TEST_TIMEOUT:-540}" $py -m pytest tests -q -n 8 -m "not slow" -p no:cacheprovider -rfE ${PYTEST_K:+-k "$PYTEST_K"} \

@@ -1,10 +1,11 @@
 """Host time per call of each op against the PyTorch call, or unfused sequence, it replaces (issue 14,
-part 4): 16-element inputs, one thread, with and without requires_grad.
+part 4): 16-element inputs, one thread, with and without requires_grad, and a forward and backward
+(issue 23), ours with its C++ gradient path beside the Python one.
 
     python benchmarks/host_overhead.py [--device cpu|cuda] [--json FILE] [OP ...]
 
-Exit status 1 when a ratio misses its target (relu and softmax at most 2.5x the torch call; a fused op
-no slower than the unfused sequence). See opbuilder/bench/host.py for how it is measured.
+Exit status 1 when a ratio misses its target (relu and softmax at most 2.5x the torch call forward, 2x
+forward and backward; a fused op no slower than the unfused sequence). See opbuilder/bench/host.py for how it is measured.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = SPECS[op]
         ours = spec.call_ours(getattr(importlib.import_module(spec.module), spec.function))
         rows += host.measure_op(op, ours, device)
-    print(f"Host time per forward call, {device.type}, {args.threads} thread(s), torch {torch.__version__} "
+    print(f"Host time per call (forward; fwd+bwd: forward and backward), {device.type}, {args.threads} thread(s), torch {torch.__version__} "
           "(thread CPU time, least of 15 rounds of 2000 calls):")
     print(host.table(rows))
     if args.json:

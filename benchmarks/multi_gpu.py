@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: 
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import opbuilder.ops as ops  # noqa: E402
-from opbuilder import env  # noqa: E402
+from opbuilder import cxx_autograd, env  # noqa: E402
 from opbuilder.registry import names  # noqa: E402
 from parallel_models import FFNModel, Model, sequence_parallel, twins  # noqa: E402  (beside this script)
 
@@ -298,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
 
     checks: list[dict] = []
     builds = build_everything(device, dtype, checks)
+    # The C++ gradient path (opbuilder.cxx_autograd), as a training job that has run once has it: built once
+    # (the ranks wait on one lock), loaded by every rank before the timed steps.
+    glue = cxx_autograd.load(wait=True)
+    checks.append({"name": "C++ gradient path loaded", "ok": glue, "detail": cxx_autograd.state()})
     speeds = {}
     for plan in ("DDP", "FSDP2", "TP+SP"):
         plan_checks, speeds[plan] = run_plan(plan, mesh, args, dtype, device)

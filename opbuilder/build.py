@@ -48,6 +48,7 @@ class BuildSpec:
     project_files: list[str] = field(default_factory=list)  # sources and the headers they include
     digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
+    skipped: str | None = None  # sources left out of this build and why ("kernel.cu: torch was built without CUDA")
 
 
 _SAY_LOCK = threading.Lock()
@@ -102,7 +103,7 @@ def _load_failure(spec: BuildSpec, artifact: Path, exc: BaseException) -> str:
         return (
             f"opbuilder: op {spec.op!r} compiled, but its library does not load: it uses {symbol}, which no "
             f"source of the op and no library it links defines (declared but not defined? a source missing "
-            f"from sources()?). Library: {artifact}"
+            f"from sources()?). Library: {artifact}" + (f"\nNot built here: {spec.skipped}" if spec.skipped else "")
         )
     return f"opbuilder: op {spec.op!r} compiled, but its library does not load: {text}"
 
@@ -255,10 +256,18 @@ def _reason(spec: BuildSpec, slot: cache.Slot) -> str:
         return "first build here"
     ours = spec.inputs
     files_a, files_b = newest.get("files") or {}, ours.get("files") or {}
-    changed = sorted(n for n in set(files_a) | set(files_b) if files_a.get(n) != files_b.get(n))
+    # By content: a file whose bytes the last build had under another name (a moved project) is no change.
+    contents_a, contents_b = set(files_a.values()), set(files_b.values())
+    changed = sorted(n for n, digest in files_b.items() if files_a.get(n) != digest and digest not in contents_a)
     if changed:
         more = f" and {len(changed) - 2} more" if len(changed) > 2 else ""
         return ", ".join(os.path.basename(n) for n in changed[:2]) + more + " changed"
+    removed = sorted(n for n, digest in files_a.items() if n not in files_b and digest not in contents_b)
+    if removed:
+        return ", ".join(os.path.basename(n) for n in removed[:2]) + " no longer part of the op"
+    if set(files_a) != set(files_b):
+        moved = sorted(set(files_b) ^ set(files_a))
+        return (f"the same files under other paths (e.g. {moved[0]}): their contents are unchanged")
     for name, label in (("abi", "torch ABI"), ("torch", "torch"), ("torch_cuda", "torch's CUDA"), ("python", "Python")):
         if newest.get(name) != ours.get(name):
             return f"{label} changed ({newest.get(name)} -> {ours.get(name)})"

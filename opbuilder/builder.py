@@ -6,12 +6,13 @@ A subclass declares (``NAME``, ``sources()``, maybe ``include_paths()``, ``cxx_a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from functools import cached_property
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from opbuilder import env, fingerprint, loader, toolchain
@@ -92,7 +93,11 @@ class OpBuilder:
     def _cxx_standard(self) -> str:
         """The ABI target's standard for a stable-ABI op, else the one the installed torch's headers need.
         A ``-std=`` of the op's own flags comes later and wins."""
-        return toolchain.STABLE_CXX_STANDARD if self.abi() == "stable" else toolchain.cxx_standard()
+        if "_reading_flags" in self.__dict__:  # abi() or stable_target() reads the op's own flags: not known yet
+            return toolchain.STABLE_CXX_STANDARD
+        if self.abi() != "stable":
+            return toolchain.cxx_standard()
+        return toolchain.stable_cxx_standard(self.stable_target())
 
     def extra_ldflags(self) -> list[str]:
         flags = toolchain.libstdcxx_ldflags() + toolchain.openmp_flags()[1]
@@ -116,8 +121,27 @@ class OpBuilder:
 
     # ---- what the base class works out -------------------------------------------------------
 
+    #: Set on the copy ``for_cuda_check`` makes: the archs its CUDA part is compiled for, torch's CUDA or not.
+    _check_archs: list[str] | None = None
+
     def cuda_archs(self) -> list[str]:
-        return toolchain.cuda_archs()
+        return list(self._check_archs) if self._check_archs is not None else toolchain.cuda_archs()
+
+    def for_cuda_check(self, archs: list[str] | None = None) -> OpBuilder:
+        """A copy of this builder whose CUDA sources are compiled even where torch was built without CUDA or
+        no GPU is visible (CI): for ``archs`` (default: TORCH_CUDA_ARCH_LIST). Only for compiling
+        (``opbuilder.compile_check``, ``opbuilder compile-commands --cuda-arch``): a CPU-only torch has no CUDA
+        libraries to link. Raises IncompatibleOpError saying why when the CUDA part still cannot be compiled
+        here (no CUDA sources, no nvcc, no archs, a CUDA library missing)."""
+        import copy
+
+        checker = copy.copy(self)
+        checker.__dict__ = {k: v for k, v in self.__dict__.items() if k not in self._CACHED}
+        checker._check_archs = toolchain.parse_arch_list(";".join(archs)) if archs else toolchain.cuda_archs_from_env()
+        reason = checker.cuda_skip_reason()
+        if reason is not None:
+            raise IncompatibleOpError(f"op {self.name!r}: cannot compile its CUDA part here: {reason}")
+        return checker
 
     def _resolve(self, paths: list[str]) -> list[Path]:
         root = str(self.source_root())
@@ -138,17 +162,30 @@ class OpBuilder:
     def file_digests(self, with_cuda: bool = True) -> dict[str, str]:
         """sha256 of each source a build compiles and of every project header they include."""
         files = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs())
-        return fingerprint.digest_files(files, [self.source_root(), INCLUDE_DIR])
+        return fingerprint.digest_files(files, self.digest_roots())
+
+    def digest_roots(self) -> list[Path]:
+        """What the key names files relative to (``fingerprint.ROOT_LABELS``): the builder's folder,
+        opbuilder's headers, and the project: the folder holding the builder's folder, every source and
+        every include path given relative to it (``../csrc`` as in PyTorch's layout). Moving or copying the
+        project elsewhere keeps its keys; only a file outside all three is named by its absolute path."""
+        root = self.source_root()
+        inside = [os.path.dirname(p) for p in self.all_sources()]
+        inside += [str(p) for p, rel in zip(self._resolve(self.include_paths()), self.include_paths())
+                   if not os.path.isabs(rel)]
+        return [root, INCLUDE_DIR, Path(os.path.commonpath([str(root), *inside]))]
 
     def cuda_skip_reason(self) -> str | None:
         """Why the CUDA sources will not be built here, or None when they will be."""
         if not any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
             return "the op has no CUDA sources"
-        if toolchain.torch_cuda_version() is None:
+        if toolchain.torch_cuda_version() is None and self._check_archs is None:
             return "torch was built without CUDA"
         if toolchain.nvcc_path() is None:
             return "nvcc not found (set CUDA_HOME)"
         if not self.cuda_archs():
+            if self._check_archs is not None:
+                return "no CUDA arch to compile for: set TORCH_CUDA_ARCH_LIST (e.g. 9.0) or pass the archs"
             return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset"
         missing = [n for n, lib in zip(self.CUDA_LIBRARIES, self._cuda_libraries()) if lib is None]
         if missing:
@@ -168,6 +205,11 @@ class OpBuilder:
             reasons.append(f"C++ compiler {env.cxx_compiler()!r} not found on PATH (set CXX)")
         if not any(p.suffix not in CUDA_SUFFIXES for p in self.all_sources()) and not self.with_cuda():
             reasons.append(f"the op has only CUDA sources and {self.cuda_skip_reason()}")
+        if self.abi() == "stable":
+            try:
+                self.stable_target()
+            except (IncompatibleOpError, ValueError) as exc:
+                reasons.append(str(exc))
         return reasons
 
     def is_compatible(self, verbose: bool = False) -> bool:
@@ -175,7 +217,7 @@ class OpBuilder:
         if verbose:
             for reason in reasons:
                 log.warning("%s is not compatible: %s", self.name, reason)
-            if not reasons and not self.with_cuda():
+            if not reasons and not self.with_cuda() and any(p.suffix in CUDA_SUFFIXES for p in self.all_sources()):
                 log.warning("%s: building the CPU part only: %s", self.name, self.cuda_skip_reason())
         return not reasons
 
@@ -186,14 +228,56 @@ class OpBuilder:
 
     def final_cxx_args(self) -> list[str]:
         args = self._composed(OpBuilder.cxx_args(self), self.cxx_args())
-        return args + self._abi_flags() + _DEBUG_CXX.get(env.debug(), []) + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
+        return args + self._abi_flags(args) + _DEBUG_CXX.get(env.debug(), []) + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
 
     def final_nvcc_args(self) -> list[str]:
         args = self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
-        return args + self._abi_flags() + _DEBUG_NVCC.get(env.debug(), [])
+        return args + self._abi_flags(args) + _DEBUG_NVCC.get(env.debug(), [])
 
-    def _abi_flags(self) -> list[str]:
-        return toolchain.stable_abi_flags() if self.abi() == "stable" else []
+    def _abi_flags(self, args: list[str]) -> list[str]:
+        """-DOPB_STABLE_ABI and the stable API target, unless ``args`` (the op's own) already name one."""
+        if self.abi() != "stable":
+            return []
+        flags = toolchain.stable_abi_flags(self.stable_target())
+        return flags[:1] if toolchain.declared_target(args) else flags
+
+    @contextlib.contextmanager
+    def _reading_own_flags(self) -> Iterator[None]:
+        """While abi() or stable_target() read the op's own flags, whose -std= depends on them."""
+        outer = "_reading_flags" in self.__dict__
+        self.__dict__["_reading_flags"] = True
+        try:
+            yield
+        finally:
+            if not outer:
+                self.__dict__.pop("_reading_flags", None)
+
+    def stable_target(self) -> tuple[int, int]:
+        """The (major, minor) of the oldest torch a stable-ABI build of this op serves: the op's own
+        ``-DTORCH_TARGET_VERSION=...`` in ``cxx_args()``/``nvcc_args()`` (for the later stable API it
+        needs), else torch 2.10. Raises ValueError for a value that is not a version, and
+        IncompatibleOpError for a target above the installed torch, whose headers lack that API."""
+        return self._stable_target
+
+    @cached_property
+    def _stable_target(self) -> tuple[int, int]:
+        with self._reading_own_flags():
+            declared = toolchain.declared_target(self.cxx_args())
+            if declared is None and self.with_cuda():
+                declared = toolchain.declared_target(self.nvcc_args())
+        if declared is None:
+            return toolchain.STABLE_ABI_TARGET
+        installed = toolchain.torch_version()
+        if declared > installed:
+            import torch
+
+            raise IncompatibleOpError(
+                f"op {self.name!r} asks for the stable API of torch {declared[0]}.{declared[1]} "
+                f"(-DTORCH_TARGET_VERSION in its flags), but torch {torch.__version__} is installed: its headers "
+                f"do not have that API and the library would not load here. Install torch "
+                f">= {declared[0]}.{declared[1]}, or target {installed[0]}.{installed[1]} or older"
+            )
+        return declared
 
     def abi(self) -> str:
         """"stable" or "classic": how the op's binary depends on torch (see ``ABI``)."""
@@ -215,6 +299,27 @@ class OpBuilder:
                 continue
         stable = any(marker in text for text in texts for marker in _STABLE_MARKERS)
         classic = any(marker in text for text in texts for marker in _CLASSIC_MARKERS)
+        if stable and classic:
+            # Both kinds of include are written, as in ``#if ...`` stable ``#else`` classic ``#endif`` (Hugging
+            # Face kernel-builder's registration.h): ask the preprocessor which branch the op's flags take.
+            return self._preprocessed_abi() or "classic"
+        return "stable" if stable else "classic"
+
+    def _preprocessed_abi(self) -> str | None:
+        """"stable" or "classic" from the headers the preprocessor includes under the op's own flags (only
+        theirs: a macro opbuilder adds for a stable build cannot decide that the build is stable); None
+        when it cannot tell."""
+        include_dirs = [str(p) for p in self._include_dirs()]
+        found: list[str] = []
+        with self._reading_own_flags():
+            for source in self.all_sources():
+                declared = self.nvcc_args() if source.suffix in CUDA_SUFFIXES else self.cxx_args()
+                headers = toolchain.included_headers(str(source), declared, include_dirs)
+                if headers is None:
+                    return None
+                found += headers
+        stable = any(marker.decode() in h for h in found for marker in _STABLE_MARKERS)
+        classic = any(marker.decode().strip("<") in h for h in found for marker in _CLASSIC_MARKERS)
         return "stable" if stable and not classic else "classic"
 
     def final_ldflags(self) -> list[str]:
@@ -250,7 +355,8 @@ class OpBuilder:
             "nvcc_args": self.final_nvcc_args() if with_cuda else [],
             "ldflags": self.final_ldflags(),
             "python_module": self.is_python_module(),
-            **toolchain.abi_environment(self.abi() == "stable"),
+            **toolchain.abi_environment(self.abi() == "stable", self.stable_target() if self.abi() == "stable"
+                                        else toolchain.STABLE_ABI_TARGET),
             "cxx": toolchain.compiler_identity(cxx) if cxx else None,
             "nvcc": toolchain.compiler_identity(nvcc) if nvcc else None,
             "nvcc_host": toolchain.compiler_identity(host) if host else None,
@@ -294,12 +400,22 @@ class OpBuilder:
             archs=self.cuda_archs() if with_cuda else [],
             inputs=inputs,
             project_files=[str(p) for p in fingerprint.project_files(sources, self._include_dirs())],
-            digest_roots=[str(self.source_root()), str(INCLUDE_DIR)],
+            digest_roots=[str(p) for p in self.digest_roots()],
+            skipped=self._skipped_sources(with_cuda),
         )
+
+    def _skipped_sources(self, with_cuda: bool) -> str | None:
+        """The CUDA sources a CPU-only build leaves out, and why (said when the library then lacks a symbol)."""
+        cuda = [p.name for p in self.all_sources() if p.suffix in CUDA_SUFFIXES]
+        if with_cuda or not cuda:
+            return None
+        return f"{', '.join(cuda)}: {self.cuda_skip_reason()}"
+
+    _CACHED = ("_key_inputs", "key", "_all_sources", "_detected_abi", "_stable_target")
 
     def refresh(self) -> None:
         """Forget the key worked out so far: the next ``key`` reads the files again."""
-        for name in ("_key_inputs", "key", "_all_sources", "_detected_abi"):
+        for name in self._CACHED:
             self.__dict__.pop(name, None)
 
     def load(self, verbose: bool = False) -> Any:
@@ -353,11 +469,10 @@ class OpBuilder:
         Portable: no ``-march``. Named by the prebuilt key, which hashes what the library must match
         at load, so its namespace never collides with a JIT build's.
         """
-        from torch.utils.cpp_extension import CppExtension, CUDAExtension
-
         from opbuilder import prebuilt
 
         with_cuda = self.with_cuda()
+        cpp = toolchain.cpp_extension(cuda=with_cuda)
         key = prebuilt.prebuilt_key(self)
         ns_flag = f"-DOPB_NAMESPACE=opb_{self.name}_{key[:12]}"
         kwargs: dict[str, Any] = {
@@ -368,5 +483,5 @@ class OpBuilder:
         }
         cxx = [a for a in self.final_cxx_args() if not a.startswith("-march=")] + [ns_flag]
         if with_cuda:
-            return CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": self.final_nvcc_args() + [ns_flag]})
-        return CppExtension(**kwargs, extra_compile_args={"cxx": cxx})
+            return cpp.CUDAExtension(**kwargs, extra_compile_args={"cxx": cxx, "nvcc": self.final_nvcc_args() + [ns_flag]})
+        return cpp.CppExtension(**kwargs, extra_compile_args={"cxx": cxx})

@@ -41,6 +41,8 @@ def ensure_dir(path: Path) -> Path:
         while not probe.exists() and probe != probe.parent:
             missing.append(probe)
             probe = probe.parent
+        if not env.trust_shared_cache() and path.is_relative_to(env.cache_root()):
+            check_chain(probe)  # nothing is written into a cache that would be refused at load
         for folder in reversed(missing):  # each new folder private (the root included) unless shared
             folder.mkdir(mode=0o777 if env.trust_shared_cache() else 0o700, exist_ok=True)
     except OSError as exc:

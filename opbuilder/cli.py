@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("op", metavar="OP", help="the op (a built-in one)")
     chk.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+    chk.add_argument("--timeout", type=float, default=None, metavar="S",
+                     help="seconds one call of an implementation may take before it is stopped (TIMEOUT; default 300)")
     chk.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                      help="import MODULE first: where a user op's definition and implementations are registered")
 
@@ -60,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     tune.add_argument("--budget-ms", type=float, default=200.0, help="time budget per implementation and workload")
     tune.add_argument("--json", action="store_true", help="print the stored trace")
+    tune.add_argument("--timeout", type=float, default=None, metavar="S",
+                      help="seconds one call of an implementation may take in its check (default 300)")
     tune.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                       help="import MODULE first: where a user op's definition and implementations are registered")
 
@@ -69,6 +73,16 @@ def _parser() -> argparse.ArgumentParser:
                           help="built-in ops, or your own builder as module:Class (default: every built-in op)")
     commands.add_argument("--output", "-o", type=Path, default=Path("compile_commands.json"),
                           help="file to write (default: ./compile_commands.json)")
+    commands.add_argument("--cuda-arch", default=None, metavar="LIST",
+                          help="list the CUDA files too, compiled for LIST (e.g. '9.0'), also with a torch without CUDA")
+
+    ccheck = sub.add_parser(
+        "compile-check", help="compile every source of ops into objects, CUDA included, without a GPU (CI)")
+    ccheck.add_argument("ops", nargs="*", metavar="OP",
+                        help="built-in ops, or your own builder as module:Class (default: every built-in op)")
+    ccheck.add_argument("--cuda-arch", default=None, metavar="LIST",
+                        help="CUDA archs to compile for, e.g. '9.0' or '8.0;9.0' (default: TORCH_CUDA_ARCH_LIST); "
+                             "the CUDA part compiles with nvcc also where torch has no CUDA")
 
     sub.add_parser("bench", help="benchmark the ops (arguments go to `opbuilder bench --help`)", add_help=False)
     return parser
@@ -80,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
     handlers = {"report": _report, "build": _build, "clean": _clean, "new": _new,
-                "compile-commands": _compile_commands, "check": _check, "tune": _tune}
+                "compile-commands": _compile_commands, "compile-check": _compile_check, "check": _check,
+                "tune": _tune}
     from opbuilder.errors import OpBuilderError, UnknownOpError
 
     signal.signal(signal.SIGTERM, _interrupt)
@@ -134,7 +149,7 @@ def _check(args: argparse.Namespace) -> int:
     from opbuilder import check, dispatch_report
 
     _import(args.imports)
-    rows = check.check(args.op, args.device)
+    rows = check.check(args.op, args.device, timeout_s=check.CALL_TIMEOUT_S if args.timeout is None else args.timeout)
     where = check.save(args.op, rows, "check")
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
@@ -147,7 +162,7 @@ def _tune(args: argparse.Namespace) -> int:
     from opbuilder import check, dispatch_report
 
     _import(args.imports)
-    rows = check.tune(args.op, args.device, args.budget_ms)
+    rows = check.tune(args.op, args.device, args.budget_ms, timeout_s=check.CALL_TIMEOUT_S if args.timeout is None else args.timeout)
     where = check.save(args.op, rows, "tune")
     if args.json:
         print(where.read_text())
@@ -194,6 +209,15 @@ def _build(args: argparse.Namespace) -> int:
             failed.append(name)
         else:
             print(f"{name}: skipped: " + "; ".join(reasons), flush=True)
+    from opbuilder import env
+
+    if args.all and todo and env.cxx_autograd():
+        # The built-in ops' C++ gradient path (opbuilder.cxx_autograd), so that training never waits for it.
+        from opbuilder.builders.autograd import AutogradGlueBuilder
+
+        glue = AutogradGlueBuilder()
+        if not glue.incompatibility_reasons():
+            todo.append(glue)
     if todo:
         # All at once by default: their compilers share the cores through the compile slots.
         failed += _build_all(todo, args.jobs or len(todo))
@@ -237,23 +261,52 @@ def _fill_remote(builders: list) -> None:
 # ---- compile-commands --------------------------------------------------------------------------
 
 
-def _compile_commands(args: argparse.Namespace) -> int:
+def _builders(names: list[str]) -> list:
+    """Built-in ops by name, or the user's own builders as module:Class (importable from here)."""
     import importlib
+
+    from opbuilder import registry
+
+    builders = []
+    for name in names or registry.names():
+        if ":" in name:
+            module, _, cls = name.partition(":")
+            builders.append(getattr(importlib.import_module(module), cls)())
+        else:
+            builders.append(registry.get_builder(name))
+    return builders
+
+
+def _compile_commands(args: argparse.Namespace) -> int:
     import json
 
-    from opbuilder import compile as ninja_build, registry
+    from opbuilder import compile as ninja_build
 
     entries = []
-    for name in args.ops or registry.names():
-        if ":" in name:  # the user's own builder, importable from here
-            module, _, cls = name.partition(":")
-            builder = getattr(importlib.import_module(module), cls)()
-        else:
-            builder = registry.get_builder(name)
-        entries += ninja_build.compile_commands(builder.build_spec())
+    for builder in _builders(args.ops):
+        archs = args.cuda_arch.replace(",", ";").split(";") if args.cuda_arch else None
+        if archs:
+            builder = builder.for_cuda_check(archs)
+        skipped = builder.cuda_skip_reason()
+        if skipped and any(p.suffix == ".cu" for p in builder.all_sources()):
+            _err(f"{builder.name}: CUDA files not listed: {skipped} (--cuda-arch LIST lists them, compiled for LIST)")
+        entries += builder.with_current_key(ninja_build.compile_commands)
     args.output.write_text(json.dumps(entries, indent=1) + "\n")
     print(f"wrote {args.output} ({len(entries)} files)")
     return 0
+
+
+def _compile_check(args: argparse.Namespace) -> int:
+    from opbuilder.compile_check import compile_check, describe
+
+    archs = args.cuda_arch.replace(",", ";").split(";") if args.cuda_arch else None
+    failed = 0
+    for builder in _builders(args.ops):
+        check = compile_check(builder, archs)
+        for line in describe(check):
+            print(line, flush=True)
+        failed += not check.ok
+    return 1 if failed else 0
 
 
 # ---- clean -------------------------------------------------------------------------------------

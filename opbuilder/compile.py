@@ -281,15 +281,7 @@ def write_ninja(spec, work: Path) -> Path:
     with contextlib.suppress(OSError):
         if target.is_file() and memo.read_text() == made_from:
             return target
-    from torch.utils import cpp_extension as cpp
-
-    if spec.with_cuda and cpp.CUDA_HOME and toolchain.cuda_home():
-        if os.path.realpath(cpp.CUDA_HOME) != os.path.realpath(toolchain.cuda_home()):
-            raise BuildError(
-                f"opbuilder: torch.utils.cpp_extension uses the CUDA toolkit {cpp.CUDA_HOME} (found when it was "
-                f"imported) but opbuilder keyed this build for {toolchain.cuda_home()}; set CUDA_HOME before "
-                "importing torch.utils.cpp_extension"
-            )
+    cpp = toolchain.cpp_extension(cuda=spec.with_cuda)
     ldflags = cpp._prepare_ldflags(list(spec.ldflags), spec.with_cuda, False, False, False)
     draft = work / "build.ninja.draft"
     cpp._write_ninja_file_to_build_library(

@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     opbuilder.prepare()  # compiles every op not yet in the cache, in parallel; a no-op when warm
+    from opbuilder import cxx_autograd
+
+    cxx_autograd.load(wait=True)  # the ops' C++ gradient path, built once a torch version (a no-op when warm)
     print(f"ops ready in {time.perf_counter() - started:.1f} s (cache: {opbuilder.env.cache_root()})")
 
     fused, plain = twin_models(args.device, dim=dim)
@@ -165,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     if ours <= theirs:
         print(f"the fused block is {theirs / ours:.2f}x as fast here")
     else:
-        print(f"the fused block is {ours / theirs:.2f}x slower here: at this size the host time of each call (a few "
-              "us of Python per op, see benchmarks/host_overhead.py) outweighs the memory traffic fusing saves; "
-              "try a larger --dim or --seq")
+        print(f"the fused block is {ours / theirs:.2f}x slower here: at this size the host time of each call "
+              "(see benchmarks/host_overhead.py) outweighs the memory traffic fusing saves; try a larger --dim or --seq"
+              + ("" if cxx_autograd.state() == "ready" else
+                 f" (the C++ gradient path is {cxx_autograd.state()}: gradients took the slower Python path)"))
 
 
 if __name__ == "__main__":

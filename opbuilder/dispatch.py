@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -53,8 +54,11 @@ class Router:
         self.picks: dict[Any, str] = {}  # the same choices by implementation name (report, tests)
         self.default_name = ""
         self.leave_later = False  # resolved to the direct path while Dynamo traced: leave ROUTES at the next call
+        self.params: tuple[str, ...] = ()  # the function's parameters, in order (for calls by keyword)
         if final is not None:
             functools.update_wrapper(self, final)
+            with contextlib.suppress(TypeError, ValueError):
+                self.params = tuple(inspect.signature(final).parameters)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # resolve() first, every call (at once when resolved): under torch.compile no attribute of the
@@ -62,22 +66,35 @@ class Router:
         resolve(self.op)
         table = self.table
         if table:
-            x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args)
+            x = args[0] if args and hasattr(args[0], "is_cuda") else _first_tensor(args, kwargs, self.params)
+            if x is None:  # no tensor among the arguments: no bucket
+                return self.default(*args, **kwargs)
             # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
             key = (x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
-            return table.get(key, self.default)(*args, **kwargs)
+            # the call's bucket; else (a bucket no workload had) its device, dtype and kind of width; else its device
+            fn = table.get(key) or table.get((key[0], key[1], key[3])) or table.get((key[0],)) or self.default
+            return fn(*args, **kwargs)
         return self.default(*args, **kwargs)
 
-    def pick(self, *args: Any) -> str:
+    def pick(self, *args: Any, **kwargs: Any) -> str:
         """The name of the implementation a call with these arguments goes to (resolving first)."""
         resolve(self.op)
-        return self.picks.get(_key(_first_tensor(args)), self.default_name)
+        x = _first_tensor(args, kwargs, self.params)
+        if x is None:
+            return self.default_name
+        key, picks = _key(x), self.picks
+        return picks.get(key) or picks.get((key[0], key[1], key[3])) or picks.get((key[0],)) or self.default_name
 
 
-def _first_tensor(args: tuple) -> Any:
+def _first_tensor(args: tuple, kwargs: dict[str, Any] | None = None, params: tuple[str, ...] = ()) -> Any:
+    """The call's first tensor: among the positional arguments, then the keyword ones in the order of the
+    function's parameters (then any others); None when there is none."""
     from opbuilder.trace import first_tensor
 
-    return first_tensor(args)
+    x = first_tensor(args)
+    if x is None and kwargs:
+        x = first_tensor(tuple(kwargs[p] for p in params if p in kwargs) + tuple(kwargs.values()))
+    return x
 
 
 def _key(x: Any) -> tuple:
@@ -162,24 +179,30 @@ def _resolve(op: str) -> bool:
             raise next(iter(failed.values()))
         raise RuntimeError(f"{op}: no implementation is registered")
     default_name, default = first
-    data = trace.read(op, trace.key({n: i.key for n, i in impls.items()})) if impls else None
-    checked = trace.read(op, trace.key({n: i.key for n, i in impls.items()}), "check") if impls else None
+    # the tune's times; the statuses of the newer of the tune and the check (a later check overrides a tune)
+    tuned, verdicts = trace.records(op, trace.key({n: i.key for n, i in impls.items()})) if impls else (None, [])
+    excluded = trace.excluded(verdicts)
     picks: dict[Any, str] = {}
-    for where, name in (trace.choices(data) if data else {}).items():
+    for where, name in (trace.choices(tuned, excluded) if tuned else {}).items():
         if name in impls and usable(name):
             picks[where] = name
-    excluded: dict[Any, set[str]] = {}
-    for source in (data, checked):
-        for where, names in (trace.excluded(source) if source else {}).items():
-            excluded.setdefault(where, set()).update(names)
     for where, names in excluded.items():
         if where not in picks and default_name in names and (other := first_usable(names)) is not None:
             picks[where] = other[0]
+    # Buckets no workload had: not to a default that failed their kind of width, or everything, on the device.
+    elsewhere: dict[Any, str] = {}
+    for where, names in trace.excluded_elsewhere(verdicts).items():
+        if default_name in names and (other := first_usable(names)) is not None:
+            elsewhere[(where[0] == "cuda",) + tuple(where[1:])] = other[0]
+    if elsewhere:  # the buckets a workload had keep their own choice (the default where it passed them)
+        for where in trace.buckets(verdicts):
+            picks.setdefault(where, default_name)
 
     if failed:
         why = "; ".join(f"{name}: {_reason(exc)}" for name, exc in failed.items())
-        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning, stacklevel=4)
-    picks = {_flat(where): name for where, name in picks.items()}
+        warnings.warn(f"opbuilder: {op}: cannot use {why}; calls go to {default_name}", FallbackWarning,
+                      stacklevel=_callers_level())
+    picks = {_flat(where): name for where, name in picks.items()} | elsewhere
     r.picks, r.default_name, r.default = picks, default_name, default
     r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
                for key, name in picks.items()}
@@ -192,6 +215,20 @@ def _resolve(op: str) -> bool:
             ROUTES.pop(op, None)
         return False
     return True
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside opbuilder (its functions in ``opbuilder.ops`` too) and
+    outside torch's compiler: the user's line that called the op, for a warning to point at."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module == "opbuilder" or module.startswith(("opbuilder.", "torch._dynamo", "torch._inductor"))):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def _tracing() -> bool:
@@ -207,7 +244,11 @@ resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def reset(op: str | None = None) -> None:
     """Forget the choices (of one op, or all), so that the next call resolves again: after a new trace,
     or new implementations, in this process."""
+    from opbuilder import implementations
+
     for name in [op] if op else list(_ROUTERS):
+        if name not in _ROUTERS and implementations.of(name):
+            continue  # registered, not yet applied: no choice made yet, nothing to forget
         r = router(name)
         r.table, r.picks, r.default, r.default_name, r.leave_later = None, {}, _continue, "", False
         if name in BUILDERS:

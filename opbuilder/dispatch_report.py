@@ -23,8 +23,8 @@ def op_dispatch(op: str) -> dict[str, Any]:
     """The op's implementations with their last check status, and what dispatch picks (per bucket)."""
     impls = implementations.of(op)
     statuses = check.last_statuses(op)
-    data = trace.read(op, trace.key(check.keys(op)))
-    picks = {_where(*where): name for where, name in (trace.choices(data) if data else {}).items()}
+    tuned, verdicts = trace.records(op, trace.key(check.keys(op)))
+    picks = {_where(*where): name for where, name in (trace.choices(tuned, trace.excluded(verdicts)) if tuned else {}).items()}
     default = impls[0].name if impls else "-"
     if op in registry.BUILDERS and registry.get_builder(op).incompatibility_reasons():
         default = next((i.name for i in impls[1:] if i.fallback), "-")

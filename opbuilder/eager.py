@@ -11,6 +11,9 @@ call the C++ op directly:
   with no autograd formula, so its Autograd key is torch's C++ fallback, and only the outputs a caller
   sees, e.g. LayerNorm's y without mean and rstd), one C call; else the op's C++ entry below the
   Autograd keys (what the registered kernel does itself after its checks), one guard and one call;
+- a gradient needed, for a built-in op: the op's ``grad`` overload, whose Autograd kernel is C++
+  (``opbuilder.cxx_autograd``): one C call, and a backward without Python. Until that glue is there (or
+  where it cannot be built, and for a user's op), as below;
 - a gradient needed: an ``autograd.Function`` made from the *same* ``setup_context`` and ``backward``
   that were registered (``register_autograd`` here records them), applied through the C entry of
   ``Function.apply`` (the Python ``apply`` binds the signature and checks for functorch first). Its
@@ -47,6 +50,9 @@ _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 # "ns::op" or "ns::op.overload" -> (setup_context, backward), as given to register_autograd.
 _AUTOGRAD: dict[str, tuple[Callable[..., None], Callable[..., Any]]] = {}
+# "ns::op" -> the Python call that records a gradient and returns what the C++ ``grad`` overload returns,
+# where that is not the op's own autograd.Function (relu's takes relu_mask's and drops the mask).
+_PYTHON_GRAD: dict[str, Callable[..., Any]] = {}
 
 
 def register_autograd(qualname: str, backward: Callable[..., Any], *, setup_context: Callable[..., None]) -> None:
@@ -54,6 +60,11 @@ def register_autograd(qualname: str, backward: Callable[..., Any], *, setup_cont
     kept for the eager path. ``setup_context(ctx, inputs, output)`` gets every input positionally."""
     torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     _AUTOGRAD[qualname.removesuffix(".default")] = (setup_context, backward)
+
+
+def register_python_grad(qualname: str, call: Callable[..., Any]) -> None:
+    """``EagerOp.grad``'s Python path for the op ``qualname`` ("ns::op"), where it is not ``EagerOp.apply``."""
+    _PYTHON_GRAD[qualname] = call
 
 
 def direct() -> bool:
@@ -79,12 +90,14 @@ class EagerOp:
     op's ``nograd`` overload, a C callable (no guard needed: its Autograd key is torch's fallback, which
     records nothing where no input needs a gradient); None where the op has none. ``apply(*args)``: the
     op recorded by autograd with its registered formula (the C entry of ``Function.apply`` itself where
-    the op has no autocast rule); None when it has none.
+    the op has no autocast rule); None when it has none. ``grad(*args)``: the call that records a gradient,
+    returning what the op's function returns: the C++ ``grad`` overload of a built-in op
+    (``opbuilder.cxx_autograd``) once it is there, until then (and for a user's op) the Python path.
     """
 
-    __slots__ = ("apply", "call", "entry", "nograd", "overload")
+    __slots__ = ("apply", "builtin", "call", "entry", "grad", "name", "nograd", "overload")
 
-    def __init__(self, overload: torch._ops.OpOverload) -> None:
+    def __init__(self, overload: torch._ops.OpOverload, builtin: str | None = None) -> None:
         self.overload = overload
         # The C++ callable OpOverload.__call__ forwards to. ``with below_autograd(): entry(*args)`` is
         # ``call(*args)`` without its Python frame, for the ops whose every 0.1 us shows (relu, softmax).
@@ -107,6 +120,38 @@ class EagerOp:
         same = nograd is not None and len(nograd._schema.returns) == len(overload._schema.returns)
         self.apply = None if registered is None else _function(name, overload, entry, same and self.nograd,
                                                                *registered)
+        self.name, self.builtin = name, builtin
+        self.grad = self._first_grad
+
+    def _first_grad(self, *args: Any) -> Any:
+        # Until the C++ path is there: asks for it (cheap: a time check while it is being built) and takes
+        # the Python path; once it is, ``grad`` is its C callable and this frame is gone.
+        from opbuilder import cxx_autograd
+
+        if self.builtin is not None and self.overload._overloadname == "default":
+            ns, _, op = self.name.partition("::")
+            call = cxx_autograd.entry(self.builtin, ns, op)
+            if call is not None:
+                if _has_autocast_rule(self.name):
+                    call = _autocast_aware(self.overload, call)
+                self.grad = call
+                return call(*args)
+        python = _PYTHON_GRAD.get(self.name, self.apply)
+        if python is None:
+            raise RuntimeError(f"opbuilder: {self.name} has no autograd formula")
+        if self.builtin is None or cxx_autograd.state() == "off":
+            self.grad = python  # no C++ path to wait for
+        return python(*args)
+
+
+def _autocast_aware(overload: torch._ops.OpOverload, call: Callable[..., Any]) -> Callable[..., Any]:
+    def grad(*args: Any) -> Any:
+        # As in _function: the op's autocast rule must cast before autograd records.
+        if _ANY_AUTOCAST():
+            return overload(*args)
+        return call(*args)
+
+    return grad
 
 
 def _function(name: str, overload: torch._ops.OpOverload, entry: Callable[..., Any], nograd: Callable[..., Any] | None,
@@ -154,12 +199,13 @@ class EagerOps:
     """A loaded ``torch.ops`` namespace's ops as ``EagerOp``s: ``EagerOps(ns).relu`` is the ``default``
     overload of ``ns.relu``, made on first access and kept."""
 
-    def __init__(self, namespace: Any) -> None:
+    def __init__(self, namespace: Any, builtin: str | None = None) -> None:
         self._namespace = namespace
+        self._builtin = builtin  # the built-in op's name: its gradients may take the C++ path
 
     def __getattr__(self, name: str) -> EagerOp:
         if name.startswith("_"):
             raise AttributeError(name)
-        op = EagerOp(getattr(self._namespace, name).default)
+        op = EagerOp(getattr(self._namespace, name).default, self._builtin)
         setattr(self, name, op)
         return op

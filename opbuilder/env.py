@@ -18,6 +18,7 @@ VARIABLES: dict[str, str] = {
     "OPB_CPU_ARCH": "Value for -march on CPU code (default 'native' for JIT builds; 'none' omits it).",
     "OPB_TRUST_SHARED_CACHE": "1 loads from a cache that other users own or can write to (a deliberately shared cache).",
     "OPB_FALLBACK": "0 makes an op that cannot be built or loaded here an error, instead of falling back to the next implementation (default 1).",
+    "OPB_CXX_AUTOGRAD": "0 records the built-in ops' gradients through Python autograd.Functions instead of their C++ path (default 1: the C++ glue, built once a torch version, in the background when first needed).",
     "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
     "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
     "TORCH_CUDA_ARCH_LIST": "CUDA archs to build for, e.g. '9.0' or '8.0;9.0+PTX' (default: the visible GPUs).",
@@ -134,6 +135,11 @@ def trust_shared_cache() -> bool:
 def fallback() -> bool:
     """Whether a call falls back to the next implementation when one cannot be built or loaded here."""
     return _get("OPB_FALLBACK") is None or _flag("OPB_FALLBACK")
+
+
+def cxx_autograd() -> bool:
+    """Whether gradients of the built-in ops take their C++ path (``OPB_CXX_AUTOGRAD``, default on)."""
+    return _get("OPB_CXX_AUTOGRAD") is None or _flag("OPB_CXX_AUTOGRAD")
 
 
 def build_all_ops() -> bool:

@@ -33,3 +33,8 @@ class IncompatibleOpError(OpBuilderError):
 class FallbackWarning(RuntimeWarning):
     """An op's implementation cannot be built or loaded here; its calls go to the next one (the message says
     which and why). ``OPB_FALLBACK=0`` makes this an error."""
+
+
+class TraceWarning(UserWarning):
+    """A trace of ``opbuilder check``/``tune`` in the cache is not used: it could have been written by someone
+    else, or it is not what those commands write. The message names the file and why; calls go as with no trace."""

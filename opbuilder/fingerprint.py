@@ -50,8 +50,9 @@ def project_files(sources: list[Path], include_paths: list[Path]) -> list[Path]:
     return [Path(p) for p in sorted(seen.values())]
 
 
-#: How ``digest_name`` labels the roots builders pass: the op's source root, then opbuilder's headers.
-ROOT_LABELS = ("op", "opbuilder")
+#: How ``digest_name`` labels the roots builders pass: the op's source root, opbuilder's headers, then the
+#: project holding the op's files (``OpBuilder.digest_roots``).
+ROOT_LABELS = ("op", "opbuilder", "project")
 
 
 def digest_name(path: Path, roots: list[Path]) -> str:

@@ -19,6 +19,7 @@ from opbuilder.builder import OpBuilder
 from opbuilder.eager import EagerOps
 
 _ENTRIES: dict[str, tuple[str | OpBuilder, Callable[[str], None]]] = {}
+_INSTANCES: list["LazyOps"] = []
 _NAMESPACES: dict[str, str] = {}
 
 
@@ -50,8 +51,10 @@ class LazyOps:
 
     def __init__(self, builder: str | OpBuilder, register: Callable[[str], None]) -> None:
         self.entry = builder if isinstance(builder, str) else f"{type(builder).__module__}.{type(builder).__qualname__}"
+        self._builtin = builder if isinstance(builder, str) else None
         _ENTRIES[self.entry] = (builder, register)
         self._eager: EagerOps | None = None
+        _INSTANCES.append(self)
 
     def __call__(self) -> Any:
         return getattr(torch.ops, namespace_of(self.entry))
@@ -61,5 +64,11 @@ class LazyOps:
         cost one attribute read. Not for code Dynamo traces (use ``self()`` there)."""
         ops = self._eager
         if ops is None:
-            ops = self._eager = EagerOps(self())
+            ops = self._eager = EagerOps(self(), self._builtin)
         return ops
+
+
+def reset_eager() -> None:
+    """Forget every op's bound eager entries (``LazyOps.eager``): the next call binds them again."""
+    for ops in _INSTANCES:
+        ops._eager = None

@@ -58,7 +58,7 @@ def load_artifact(op: str, key: str, artifact: Path, manifest: dict) -> Any:
     via = _fd_path(fd) or str(artifact)
     try:
         handle = _load_python_module(manifest["module_name"], via, artifact) if manifest.get("python_module") \
-            else _load_torch_library(via, artifact, manifest["namespace"])
+            else _load_torch_library(via, artifact, manifest["namespace"], op)
     except BaseException:
         os.close(fd)
         raise
@@ -74,12 +74,12 @@ def _load_python_module(name: str, via: str, artifact: Path) -> Any:
         raise ImportError(f"cannot load {artifact} as module {name}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.__file__ = str(artifact)  # where it lives, for people reading tracebacks
+    module.__file__ = spec.origin = str(artifact)  # where it lives (repr, tracebacks), not /proc/self/fd/N
     sys.modules[name] = module
     return module
 
 
-def _load_torch_library(via: str, artifact: Path, namespace: str) -> Any:
+def _load_torch_library(via: str, artifact: Path, namespace: str, op: str) -> Any:
     import ctypes
 
     import torch
@@ -96,7 +96,46 @@ def _load_torch_library(via: str, artifact: Path, namespace: str) -> Any:
         except OSError as exc:
             raise OSError(f"could not load {artifact}: {exc}") from exc
     torch.ops.loaded_libraries.add(str(artifact))
-    return getattr(torch.ops, namespace)
+    return getattr(torch.ops, registered_namespace(namespace, op, artifact))
+
+
+def registered_namespace(namespace: str, op: str, artifact: Path) -> str:
+    """The namespace whose ops a just loaded library of ``op`` registered: the build's own (``OPB_LIBRARY``),
+    or the one other name it registered instead (``TORCH_LIBRARY(TORCH_EXTENSION_NAME, m)``, kernel-builder's
+    ``STABLE_TORCH_LIBRARY_EXPAND``, a literal ``OPB_NAMESPACE``). Raises BuildError when it registered ops
+    under several other namespaces and none under its own."""
+    import torch
+
+    try:  # one lookup when an op of the build's namespace bears the op's name (opbuilder's own form)
+        torch._C._dispatch_find_schema_or_throw(f"{namespace}::{op}", "")
+        return namespace
+    except RuntimeError:
+        pass
+    names = torch._C._dispatch_get_all_op_names()
+    if any(name.startswith(namespace + "::") for name in names):
+        return namespace
+    # Registered elsewhere: the namespaces whose schemas were registered from this op's sources (each
+    # registration records the file it was made in: the op's work folder, or its own source folder).
+    from opbuilder import compile as ninja_build
+
+    where = f"{os.sep}{ninja_build.WORK_ROOT}{os.sep}{op}-"
+    found: dict[str, None] = {}
+    for name in names:
+        ns = name.partition("::")[0]
+        if ns in found or ns in ("aten", "prim", "prims") or ":" not in name:
+            continue
+        debug = next((ln for ln in torch._C._dispatch_dump(name).splitlines() if ln.startswith("debug:")), "")
+        if where in debug:
+            found[ns] = None
+    if len(found) <= 1:
+        return next(iter(found), namespace)
+    from opbuilder.errors import BuildError
+
+    raise BuildError(
+        f"opbuilder: op {op!r} loaded from {artifact}, but it registered no op under its build's namespace "
+        f"{namespace!r} and ops under several others: {', '.join(sorted(found))}. Register them with "
+        "OPB_LIBRARY(m) (one namespace per build, so load() can return it), or take them from torch.ops.<namespace>."
+    )
 
 
 @contextlib.contextmanager

@@ -82,7 +82,8 @@ def requirements(builder: OpBuilder) -> dict[str, Any]:
     is no nvcc), while the library loaded at run time is the one torch loads. Runs no compiler and
     writes nothing: a prebuilt op loads where the cache is read-only and no compiler is installed.
     """
-    here = toolchain.abi_environment(builder.abi() == "stable")
+    stable = builder.abi() == "stable"
+    here = toolchain.abi_environment(stable, builder.stable_target() if stable else toolchain.STABLE_ABI_TARGET)
     return {
         **here,
         "op": builder.name,
@@ -313,7 +314,7 @@ def write_manifest(builder: OpBuilder, artifact: Path, seconds: float) -> Path:
 
 def build_ext_class() -> type:
     """torch's BuildExtension, recording each op's manifest and saying what it prebuilt."""
-    from torch.utils.cpp_extension import BuildExtension
+    BuildExtension = toolchain.cpp_extension().BuildExtension
 
     class PrebuildExtension(BuildExtension):
         def build_extensions(self) -> None:

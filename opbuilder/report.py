@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opbuilder import cache, env, fingerprint, registry, remote, toolchain
-from opbuilder.builder import INCLUDE_DIR, PACKAGE_DIR, OpBuilder
+from opbuilder.builder import PACKAGE_DIR, OpBuilder
 from opbuilder.errors import OpBuilderError
 
 # ---- facts about the cache ----------------------------------------------------------------------
@@ -127,8 +127,13 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
     inputs = manifest.get("inputs")
     if not isinstance(inputs, dict):
         return "its manifest records no key inputs"
-    if str(inputs.get("abi", "")).startswith("stable"):  # serves every torch of its ABI range
-        here = toolchain.abi_environment(True)
+    abi = str(inputs.get("abi", ""))
+    if abi.startswith("stable"):  # serves every torch of its ABI range: from its target on
+        major, _, minor = abi.removeprefix("stable-").partition(".")
+        target = (int(major), int(minor)) if major.isdigit() and minor.isdigit() else toolchain.STABLE_ABI_TARGET
+        if target > toolchain.torch_version():
+            return f"built for the stable API of torch {target[0]}.{target[1]}, newer than this torch"
+        here = toolchain.abi_environment(True, target)
     for name, value in here.items():
         if inputs.get(name) != value:
             return f"built for {name} {inputs.get(name)}, this environment has {value}"
@@ -142,7 +147,7 @@ def stale_reason(manifest: dict | None, builder: OpBuilder | None, here: dict[st
         if inputs.get("builder_version") != builder.VERSION:
             return f"built by builder VERSION {inputs.get('builder_version')}, the op's is now {builder.VERSION}"
         files = fingerprint.project_files(builder.all_sources(), builder._include_dirs())
-        current = fingerprint.digest_files(files, [builder.source_root(), INCLUDE_DIR])
+        current = fingerprint.digest_files(files, builder.digest_roots())
         changed = sorted(n for n, digest in (inputs.get("files") or {}).items() if current.get(n) != digest)
         if changed:
             return f"its sources changed since ({', '.join(changed[:3])})"

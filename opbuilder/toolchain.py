@@ -11,9 +11,11 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 from opbuilder import env
 from opbuilder.errors import CacheError
@@ -56,6 +58,52 @@ def _cuda_home_cached(hint: str | None, nvcc_on_path: str | None) -> str | None:
 def cuda_home() -> str | None:
     """The CUDA toolkit root, found the way torch.utils.cpp_extension finds it."""
     return _cuda_home_cached(env.cuda_home_hint(), which("nvcc"))
+
+
+class _DropMessage:
+    """A logging filter that drops records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def filter(self, record: object) -> bool:
+        return not str(getattr(record, "msg", "")).startswith(self.prefix)
+
+
+def cpp_extension(cuda: bool = False) -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without the line it logs when torch has CUDA but no GPU is
+    visible ("No CUDA runtime is found, using CUDA_HOME=..."): opbuilder says itself what it builds and why.
+
+    For a build with CUDA (``cuda``), its toolkit is the one this module found and the key names: where
+    cpp_extension guessed another from an ``nvcc`` on PATH that is a wrapper outside the toolkit, it is
+    pointed at ours. Raises BuildError when CUDA_HOME was set to another toolkit when it was imported.
+    """
+    import logging
+    import sys
+
+    if "torch.utils.cpp_extension" not in sys.modules:
+        quiet = _DropMessage("No CUDA runtime is found")
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        logger.addFilter(quiet)
+        try:
+            from torch.utils import cpp_extension as cpp
+        finally:
+            logger.removeFilter(quiet)
+    from torch.utils import cpp_extension as cpp
+
+    home = cuda_home() if cuda else None
+    if home and (cpp.CUDA_HOME is None or os.path.realpath(cpp.CUDA_HOME) != os.path.realpath(home)):
+        if env.cuda_home_hint() is None:  # its own guess (from PATH, or none: a torch without CUDA)
+            cpp.CUDA_HOME = home
+        else:
+            from opbuilder.errors import BuildError
+
+            raise BuildError(
+                f"opbuilder: torch.utils.cpp_extension uses the CUDA toolkit {cpp.CUDA_HOME} (found when it was "
+                f"imported) but opbuilder keyed this build for {home}; set CUDA_HOME before "
+                "importing torch.utils.cpp_extension"
+            )
+    return cpp
 
 
 def nvcc_path() -> str | None:
@@ -171,6 +219,36 @@ def _ask(path: str, args: list[str], last: bool = False) -> str:
     if not lines:
         return "unknown"
     return lines[-1] if last else lines[0]
+
+
+#: Options of an op's own flags that change what the preprocessor includes.
+_PREPROCESSOR_OPTIONS = ("-D", "-U", "-I", "-std=", "-include", "-isystem", "-iquote")
+
+
+def included_headers(source: str, flags: list[str], include_dirs: list[str]) -> list[str] | None:
+    """The headers ``source`` includes as the preprocessor sees them (``#if`` branches taken by ``flags``'
+    macros), without reading torch's or CUDA's headers: those are not on the include path here, so they
+    appear by the name they were included with (``torch/library.h``). A ``.cu`` file is read as nvcc's
+    host pass reads it. None when the C++ compiler is missing or cannot read the file."""
+    cxx = cxx_path()
+    if cxx is None:
+        return None
+    kept: list[str] = []
+    for i, flag in enumerate(flags):
+        if flag.startswith(_PREPROCESSOR_OPTIONS):
+            kept.append(flag)
+            if flag in ("-D", "-U", "-I", "-include", "-isystem", "-iquote") and i + 1 < len(flags):
+                kept.append(flags[i + 1])
+    cuda = ["-x", "c++", "-D__CUDACC__", "-D__NVCC__"] if source.endswith(".cu") else []
+    cmd = [cxx, *cuda, *kept, *(f"-I{d}" for d in include_dirs), "-M", "-MG", source]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    deps = out.stdout.replace("\\\n", " ").partition(":")[2].split()
+    return [d for d in deps if d != "\\" and d != source]
 
 
 def libstdcxx_ldflags() -> list[str]:
@@ -297,26 +375,75 @@ STABLE_ABI_TARGET = (2, 10)
 STABLE_CXX_STANDARD = "-std=c++17"
 
 
-def stable_abi_flags() -> list[str]:
-    """Flags of a stable-ABI build: the headers expose only what torch 2.10 already had."""
-    major, minor = STABLE_ABI_TARGET
-    return ["-DOPB_STABLE_ABI", f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"]
+def stable_abi_flags(target: tuple[int, int] = STABLE_ABI_TARGET) -> list[str]:
+    """Flags of a stable-ABI build: the headers expose only what torch ``target`` already had."""
+    return ["-DOPB_STABLE_ABI", target_version_flag(target)]
 
 
-def abi_environment(stable: bool) -> dict[str, object]:
+def target_version_flag(target: tuple[int, int]) -> str:
+    major, minor = target
+    return f"-DTORCH_TARGET_VERSION=0x{major:02x}{minor:02x}000000000000"
+
+
+def stable_cxx_standard(target: tuple[int, int] = STABLE_ABI_TARGET) -> str:
+    """The C++ standard of a stable-ABI build for torch ``target`` and later: that torch's own
+    (C++17 up to 2.12, C++20 from 2.13 on), whatever torch is installed."""
+    return "-std=c++20" if target >= (2, 13) else STABLE_CXX_STANDARD
+
+
+_TARGET_DEFINE = "-DTORCH_TARGET_VERSION="
+_TARGET_NAMED = re.compile(r"TORCH_VERSION_(\d+)_(\d+)_\d+")
+
+
+def declared_target(flags: list[str]) -> tuple[int, int] | None:
+    """The stable API a user's own ``-DTORCH_TARGET_VERSION=...`` asks for (the last one wins, as in the
+    compiler), as (major, minor); None when the flags set none. Raises ValueError on a value that is not
+    torch's encoding (``0x020c000000000000``, or a name such as ``TORCH_VERSION_2_12_0``)."""
+    value = None
+    for flag in flags:
+        if flag.startswith(_TARGET_DEFINE):
+            value = flag[len(_TARGET_DEFINE):].strip()
+        elif flag in ("-DTORCH_TARGET_VERSION", "-UTORCH_TARGET_VERSION"):
+            value = None if flag.startswith("-U") else ""
+    if value is None:
+        return None
+    named = _TARGET_NAMED.fullmatch(value)
+    if named:
+        return int(named.group(1)), int(named.group(2))
+    try:
+        number = int(value.removesuffix("ULL").removesuffix("ull"), 0)
+    except ValueError:
+        number = 0
+    if number >> 56 <= 0:
+        raise ValueError(
+            f"-DTORCH_TARGET_VERSION: expected torch's encoding of a version, e.g. "
+            f"{target_version_flag((2, 12))} or {_TARGET_DEFINE}TORCH_VERSION_2_12_0 for torch 2.12, got {value!r}"
+        )
+    return (number >> 56) & 0xFF, (number >> 48) & 0xFF
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor)."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return major, minor
+
+
+def abi_environment(stable: bool, target: tuple[int, int] = STABLE_ABI_TARGET) -> dict[str, object]:
     """What a build's binary depends on in torch and Python.
 
     A classic op (ATen, ``torch/library.h``, pybind11) depends on the exact torch build and Python ABI.
     A stable-ABI op calls only torch's stable C shim and no Python API: it depends on the ABI target
-    and on torch's CUDA major version (the CUDA runtime it shares with torch), so a torch upgrade
-    within the range reuses it.
+    (torch 2.10 unless the op asks for a later one) and on torch's CUDA major version (the CUDA runtime
+    it shares with torch), so a torch upgrade within the range reuses it.
     """
     if not stable:
         return {"abi": "classic", **torch_environment()}
     import torch
 
     cuda = torch.version.cuda
-    return {"abi": "stable-{}.{}".format(*STABLE_ABI_TARGET), "torch_cuda": cuda.split(".")[0] if cuda else None}
+    return {"abi": "stable-{}.{}".format(*target), "torch_cuda": cuda.split(".")[0] if cuda else None}
 
 
 def torch_environment() -> dict[str, object]:
@@ -339,10 +466,7 @@ def torch_environment() -> dict[str, object]:
 @functools.lru_cache(maxsize=None)
 def cxx_standard() -> str:
     """The C++ standard torch's headers need: C++20 from torch 2.13 on, C++17 before."""
-    import torch
-
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return "-std=c++20" if (major, minor) >= (2, 13) else "-std=c++17"
+    return "-std=c++20" if torch_version() >= (2, 13) else "-std=c++17"
 
 
 def cxx_path() -> str | None:
@@ -380,6 +504,12 @@ def _visible_gpu_archs() -> tuple[str, ...]:
         return ()
     caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     return tuple(sorted(f"{major}.{minor}" for major, minor in caps))
+
+
+def cuda_archs_from_env() -> list[str]:
+    """TORCH_CUDA_ARCH_LIST's archs, or [] when it is unset."""
+    spec = env.cuda_arch_list()
+    return parse_arch_list(spec) if spec is not None else []
 
 
 def cuda_archs() -> list[str]:

@@ -7,22 +7,36 @@ kernel, adding an implementation or upgrading torch starts a new trace; rows car
 so one file holds the runs of several devices. A shape bucket is what ``bucket()`` makes of the call's
 first tensor: its size class (the bit length of its element count) and whether its last dim is a
 multiple of 8 (the widths the vectorised paths take).
+
+A trace decides which code gets each call, so it is trusted as a library in the cache is: unless
+``OPB_TRUST_SHARED_CACHE=1``, it and every folder on the way to it must pass ``cache.chain_problem`` (owned
+by this user or root, not writable by group or others), the same check the loader makes; a trace that
+fails it could have been planted by another member of a group-writable cache, and is ignored with one
+``TraceWarning`` naming it. Ignoring (rather than the loader's error) is enough because a trace only
+chooses among the implementations registered in code, and costs nothing but speed. Then it is read as
+untrusted data all the same: one of another shape than ``write`` makes is ignored with one warning too,
+and the op's calls go as with no trace. Traces are written as the cache's other files are
+(``cache.write_text_atomic``): private folders and files, or in a shared cache the group's to read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
-import tempfile
+import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from opbuilder import env
+from opbuilder import cache, env
+from opbuilder.errors import CacheError, TraceWarning
 
 Bucket = tuple[int, bool]
 
@@ -63,10 +77,107 @@ def path(op: str, trace_key: str, kind: str = "tune") -> Path:
 
 
 def read(op: str, trace_key: str, kind: str = "tune") -> dict[str, Any] | None:
+    return _read_dated(op, trace_key, kind)[0]
+
+
+def _read_dated(op: str, trace_key: str, kind: str) -> tuple[dict[str, Any] | None, int]:
+    """(the record, or None; its file's modification time in ns, 0 when there is none).
+
+    None, with one TraceWarning naming the file, for a trace someone else could have written or one of
+    the wrong shape (see the module's docstring)."""
+    where = path(op, trace_key, kind)
     try:
-        return json.loads(path(op, trace_key, kind).read_text())
-    except (OSError, ValueError):
-        return None
+        # not blocking: a FIFO planted there must not hang the op's first call (it is refused below)
+        fh = open(os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+    except PermissionError as exc:  # there, but not this user's to read (a shared cache made before traces were shared)
+        with contextlib.suppress(OSError):
+            _ignore(where, os.stat(where), f"this user cannot read it ({exc.strerror}; its owner can chmod g+r it)")
+        return None, 0
+    except OSError:  # none (the usual case): as if none
+        return None, 0
+    with fh:
+        st = os.fstat(fh.fileno())
+        untrusted = None
+        if not env.trust_shared_cache():  # the loader's check of a library: the path, then the open file
+            try:
+                untrusted = cache.chain_problem(where)
+            except CacheError as exc:
+                untrusted = str(exc)
+            if untrusted is None and (problem := cache.trust_problem(st)) is not None:
+                untrusted = f"{where} {problem}"
+        if untrusted is not None:
+            _ignore(where, st, f"{untrusted}, so someone else could have written it (OPB_TRUST_SHARED_CACHE=1 accepts it)")
+            return None, 0
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_BYTES:
+            _ignore(where, st, "it is not a regular file" if not stat.S_ISREG(st.st_mode) else f"it has {st.st_size} bytes")
+            return None, 0
+        try:
+            data = json.load(fh)
+        except (OSError, ValueError, RecursionError) as exc:
+            _ignore(where, st, f"it is not JSON ({type(exc).__name__}: {str(exc)[:100]})")
+            return None, 0
+    problem = _shape_problem(data)
+    if problem is not None:
+        _ignore(where, st, f"it is not a trace opbuilder wrote: {problem}")
+        return None, 0
+    return data, st.st_mtime_ns
+
+
+_WARNED: set[tuple[str, int, int]] = set()
+_MAX_BYTES = 64 << 20  # a trace has a few rows per implementation and workload: far less than this
+
+
+def _ignore(where: Path, st: os.stat_result, why: str) -> None:
+    """One TraceWarning for this version of the file (later reads of it stay quiet)."""
+    seen = (str(where), st.st_mtime_ns, st.st_size)
+    if seen not in _WARNED:
+        _WARNED.add(seen)
+        warnings.warn(f"opbuilder: ignoring the trace {where}: {why}; calls go as with no trace. "
+                      f"Remove it, or run opbuilder check/tune again to replace it.", TraceWarning, stacklevel=2)
+
+
+_TEXT_FIELDS = ("implementation", "device", "device_name", "dtype", "status")
+
+
+def _shape_problem(data: Any) -> str | None:
+    """What in a parsed trace is not as ``write`` makes it (only what dispatch and report read); None when fine."""
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        return "it is not an object with a list of rows"
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            return f"row {i} is not an object"
+        for field in _TEXT_FIELDS:
+            if not isinstance(r.get(field), str):
+                return f"row {i}: {field} {r.get(field)!r} is not a string"
+        if r["device"] not in ("cpu", "cuda"):
+            return f"row {i}: device {r['device']!r} is not cpu or cuda"
+        if not isinstance(getattr(torch, r["dtype"], None), torch.dtype):
+            return f"row {i}: dtype {r['dtype']!r} is not a torch dtype"
+        b = r.get("bucket")
+        if not (isinstance(b, list) and len(b) == 2 and type(b[0]) is int and 0 <= b[0] <= 64 and type(b[1]) is bool):
+            return f"row {i}: bucket {b!r} is not [size class, width a multiple of 8]"
+        us = r.get("us")
+        if us is not None and not (type(us) in (int, float) and math.isfinite(us) and us >= 0):
+            return f"row {i}: us {us!r} is not a time"
+    return None
+
+
+def records(op: str, trace_key: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(the tune record or None, the rows whose statuses count on this machine's devices).
+
+    For each implementation and device, the rows of the newer of the two records that has rows of it: a
+    check run after a tune overrides the tune's statuses (an implementation it fails is never sent those
+    calls, whatever the tune's times said), and a tune run after a check (a tune checks again) overrides
+    the check's. Of two records written at the same time, the failures of both count.
+    """
+    tune, tune_time = _read_dated(op, trace_key, "tune")
+    checked, check_time = _read_dated(op, trace_key, "check")
+    if tune_time == check_time:
+        return tune, (_here(tune) if tune else []) + (_here(checked) if checked else [])
+    newer, older = (tune, checked) if tune_time > check_time else (checked, tune)
+    rows = _here(newer) if newer else []
+    seen = {(r["implementation"], r["device"]) for r in rows}
+    return tune, rows + [r for r in (_here(older) if older else []) if (r["implementation"], r["device"]) not in seen]
 
 
 def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any]], kind: str = "tune") -> Path:
@@ -81,21 +192,17 @@ def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any
         "op": op, "kind": kind, "key": trace_key, "torch": torch.__version__, "cuda": torch.version.cuda,
         "implementations": implementation_keys, "rows": kept + rows,
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, target)
+    cache.write_text_atomic(target, json.dumps(data, indent=1))  # private, or the group's in a shared cache
     return target
 
 
 Choice = tuple[str, torch.dtype, Bucket]
 
 
-def choices(data: dict[str, Any]) -> dict[Choice, str]:
+def choices(data: dict[str, Any], never: dict[Choice, set[str]] | None = None) -> dict[Choice, str]:
     """(device type, dtype, bucket) -> the fastest implementation that passed every workload of that
     bucket on this machine's device. An implementation that failed one workload of a bucket is never
-    chosen for it."""
+    chosen for it, nor one that ``never`` names for it (``excluded`` of the rows that count)."""
     groups: dict[Choice, dict[str, list[float] | None]] = {}
     for r in _here(data):
         where = (r["device"], getattr(torch, r["dtype"]), tuple(r["bucket"]))
@@ -107,19 +214,44 @@ def choices(data: dict[str, Any]) -> dict[Choice, str]:
             times.setdefault(name, []).append(float(r["us"]))
     table = {}
     for where, times in groups.items():
-        passed = {name: sum(t) for name, t in times.items() if t}
+        passed = {name: sum(t) for name, t in times.items() if t and name not in (never or {}).get(where, ())}
         if passed:
             table[where] = min(passed, key=passed.__getitem__)
     return table
 
 
-def excluded(data: dict[str, Any]) -> dict[Choice, set[str]]:
-    """(device type, dtype, bucket) -> implementations that failed a workload of it: never sent there."""
+def excluded(rows: list[dict[str, Any]]) -> dict[Choice, set[str]]:
+    """(device type, dtype, bucket) -> implementations that failed a workload of it (in ``records``' rows):
+    never sent there."""
     out: dict[Choice, set[str]] = {}
-    for r in _here(data):
+    for r in rows:
         if r["status"] != "PASSED":
             out.setdefault((r["device"], getattr(torch, r["dtype"]), tuple(r["bucket"])), set()).add(r["implementation"])
     return out
+
+
+def excluded_elsewhere(rows: list[dict[str, Any]]) -> dict[tuple, set[str]]:
+    """For calls of buckets no workload had: (device type, dtype, last dim a multiple of 8) ->
+    implementations that failed a workload of that dtype and kind of width (at any size: a kernel wrong at
+    odd widths is not trusted with odd widths it was not tried on); (device type,) -> implementations that
+    passed no workload on that device (the empty ones aside: any function passes those)."""
+    out: dict[tuple, set[str]] = {}
+    tried, passed = set(), set()
+    for r in rows:
+        name, device = r["implementation"], r["device"]
+        tried.add((device, name))
+        if r["status"] != "PASSED":
+            out.setdefault((device, getattr(torch, r["dtype"]), r["bucket"][1]), set()).add(name)
+        elif r["bucket"][0] > 0:
+            passed.add((device, name))
+    for device, name in tried - passed:
+        out.setdefault((device,), set()).add(name)
+    return out
+
+
+def buckets(rows: list[dict[str, Any]]) -> set[Choice]:
+    """The (device type, dtype, bucket)s that a workload had."""
+    return {(r["device"], getattr(torch, r["dtype"]), tuple(r["bucket"])) for r in rows}
 
 
 def _here(data: dict[str, Any]) -> list[dict[str, Any]]:

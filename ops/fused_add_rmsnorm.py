@@ -185,7 +185,7 @@ def fused_add_rmsnorm(
         fused = _ops.eager().fused_add_rmsnorm
         try:
             if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(input, residual, weight):
-                return fused.apply(input, residual, weight, eps)
+                return fused.grad(input, residual, weight, eps)
             return fused.nograd(input, residual, weight, eps)
         except (RuntimeError, TypeError) as exc:
             error = exc
@@ -196,7 +196,7 @@ def fused_add_rmsnorm(
         return out
     if direct:
         fused = _ops.eager().fused_add_rmsnorm
-        return (fused.apply if eager.needs_grad(input, residual, weight) else fused.nograd)(*args)
+        return (fused.grad if eager.needs_grad(input, residual, weight) else fused.nograd)(*args)
     return fused_add_rmsnorm_op()(*args)
 
 
@@ -208,14 +208,14 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
         if type(input) is torch.Tensor and type(eps) is float:  # the usual call: the op checks, as above
             try:
                 if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(input, weight):
-                    return norm.apply(input, weight, eps)
+                    return norm.grad(input, weight, eps)
                 return norm.nograd(input, weight, eps)
             except (RuntimeError, TypeError) as exc:
                 error = exc
             _check_rms(input, weight, eps)
             raise error
         args = (input, weight, _check_rms(input, weight, eps))
-        return (norm.apply if eager.needs_grad(input, weight) else norm.nograd)(*args)
+        return (norm.grad if eager.needs_grad(input, weight) else norm.nograd)(*args)
     return rms_norm_op()(input, weight, _check_rms(input, weight, eps))
 
 

@@ -164,7 +164,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         op = _ops.eager().fused_matmul_add_relu
         try:
             if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(lhs, rhs, bias):
-                return op.apply(lhs, rhs, bias)
+                return op.grad(lhs, rhs, bias)
             return op.nograd(lhs, rhs, bias)
         except (RuntimeError, TypeError) as exc:
             error = exc
@@ -179,7 +179,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         return y
     if direct:
         op = _ops.eager().fused_matmul_add_relu
-        return (op.apply if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
+        return (op.grad if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 
@@ -232,6 +232,10 @@ class FusedLinearReLU(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(x) is torch.Tensor and x.dtype == self.weight.dtype and x.dim() == 2 \
+                and x.shape[1] == self.in_features:
+            # The usual call, in a few reads (it is on every step's path): the op checks the rest.
+            return fused_matmul_add_relu(x, self.weight.t(), self.bias)
         check_float("FusedLinearReLU", "x", x)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(

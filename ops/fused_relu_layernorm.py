@@ -69,6 +69,9 @@ def _register(ns: str) -> None:
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
 
     eager.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
+    # The eager call with a gradient, until its C++ path is there: the Function, y alone.
+    eager.register_python_grad(f"{ns}::fused_relu_layernorm",
+                               lambda *args: _ops.eager().fused_relu_layernorm.apply(*args)[0])
 
     # DTensor: rows (and mean, rstd) split on any dim but the normalised last one, weight and bias replicated;
     # grad_weight and grad_bias sum over the rows (Partial when they are split); linear in grad_y.
@@ -140,7 +143,7 @@ def fused_relu_layernorm(
         try:
             if torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(x, weight, bias):
                 # Contiguous here rather than in the op, so that the x saved for the backward is the copy.
-                return op.apply(x.contiguous(), weight, bias, eps)[0]
+                return op.grad(x.contiguous(), weight, bias, eps)
             return op.nograd(x, weight, bias, eps)  # the op makes x contiguous itself
         except (RuntimeError, TypeError) as exc:
             error = exc
@@ -156,7 +159,7 @@ def fused_relu_layernorm(
     args = (x.contiguous(), weight, bias, eps)
     if direct:
         op = _ops.eager().fused_relu_layernorm
-        y = op.apply(*args)[0] if eager.needs_grad(x, weight, bias) else op.nograd(*args)
+        y = op.grad(*args) if eager.needs_grad(x, weight, bias) else op.nograd(*args)
     else:
         y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)

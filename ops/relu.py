@@ -70,6 +70,9 @@ def _register(ns: str) -> None:
 
     eager.register_autograd(f"{ns}::relu_mask", backward_mask, setup_context=setup_mask)
 
+    # relu's eager call with a gradient, until its C++ path is there: relu_mask's Function, y alone.
+    eager.register_python_grad(f"{ns}::relu", lambda x: _ops.eager().relu_mask.apply(x)[0])
+
     # The backward is linear in grad_y with the same mask: its own gradient is itself.
     def setup_mask_backward(ctx, inputs, output) -> None:
         ctx.save_for_backward(inputs[1])
@@ -134,7 +137,7 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     if eager.direct() and type(x) is torch.Tensor:  # a subclass (a DTensor, ...) takes the registered op
         ops = _ops.eager()
         if x.requires_grad and torch.is_grad_enabled():
-            return ops.relu_mask.apply(x)[0]
+            return ops.relu.grad(x)
         return ops.relu.nograd(x)
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):

@@ -133,7 +133,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         ndim = x.dim()
     if eager.direct():
         forward = _ops.eager().forward
-        op = forward.apply if x.requires_grad and torch.is_grad_enabled() else forward.nograd
+        op = forward.grad if x.requires_grad and torch.is_grad_enabled() else forward.nograd
     else:
         op = forward_op()
     if dim == ndim - 1 and ndim:

@@ -183,8 +183,18 @@ def test_nograd_overload_opcheck_and_compile(name: str) -> None:
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.fixture
+def python_grad_path() -> Iterator[None]:
+    """The Python gradient path (autograd.Function), which the tests below are about; the C++ one is
+    tests/test_cxx_autograd.py's."""
+    from opbuilder import cxx_autograd
+
+    with cxx_autograd.disabled():
+        yield
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_grad_call_uses_the_registered_formula(name: str) -> None:
+def test_grad_call_uses_the_registered_formula(name: str, python_grad_path: None) -> None:
     ours, registered, make = _cases()[name]
     args = [t.requires_grad_() for t in make()]
     out = _tuple(ours(*args))
@@ -201,7 +211,7 @@ def test_grad_call_uses_the_registered_formula(name: str) -> None:
     torch.autograd.gradcheck(lambda *a: ours(*a), args)
 
 
-def test_double_backward_through_the_eager_function() -> None:
+def test_double_backward_through_the_eager_function(python_grad_path: None) -> None:
     x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
     assert type(ops.softmax(x).grad_fn).__name__.startswith("Eager_")
     torch.autograd.gradgradcheck(ops.softmax, (x,))
@@ -249,7 +259,7 @@ def test_other_contexts_take_the_registered_op(monkeypatch: pytest.MonkeyPatch) 
     assert not type(ops.relu(x).grad_fn).__name__.startswith("Eager_")
 
 
-def test_autocast_keeps_the_function_where_the_op_has_no_autocast_rule() -> None:
+def test_autocast_keeps_the_function_where_the_op_has_no_autocast_rule(python_grad_path: None) -> None:
     relu_mod = sys.modules["opbuilder.ops.relu"]
     x = torch.randn(3, 4, requires_grad=True)
     ops.relu(x)

@@ -272,24 +272,30 @@ OTHER_UID = 1001
 def _as_other_user(code: str, cwd: Path, umask: int = 0o002, **env: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python as uid/gid OTHER_UID (no other groups), with ``umask``.
 
-    The interpreter, torch and this checkout must be readable by that user. Where they live under a
-    folder it cannot enter (/root, mode 0700), a mount namespace of the child's own puts an open
-    tmpfs over that folder and binds back only the entries needed (the interpreter's tree): nothing
-    else of it becomes visible, and nothing changes outside the child.
+    The interpreter, torch and this checkout must be readable by that user. Where they live under
+    folders it cannot enter (/root, or a home folder of mode 0700 or 0750 holding the checkout and its
+    .venv, at any depth), a mount namespace of the child's own puts an open tmpfs over each such folder,
+    shallowest first, and binds back only the entries on the way to what is needed: nothing else of
+    it becomes visible, and nothing changes outside the child.
     """
     import torch
 
     needed = {Path(p).resolve() for p in (sys.base_prefix, sys.prefix, torch.__file__, ROOT, os.path.realpath(sys.executable))}
     setup = []
-    for top in sorted({Path(*p.parts[:2]) for p in needed if len(p.parts) > 2}):
-        if top.stat().st_mode & 0o001:
-            continue
-        entries = sorted({Path(*p.parts[:3]) for p in needed if p.parts[:2] == top.parts})
+    closed = sorted({Path(*p.parts[:n]) for p in needed for n in range(2, len(p.parts))
+                     if not Path(*p.parts[:n]).stat().st_mode & 0o001}, key=lambda f: len(f.parts))
+    stash = 0
+    for folder in closed:
+        depth = len(folder.parts)
+        entries = sorted({Path(*p.parts[:depth + 1]) for p in needed if p.parts[:depth] == folder.parts})
         for i, entry in enumerate(entries):
-            setup.append(f"mkdir -p {cwd}/.mnt{i} && mount --bind {entry} {cwd}/.mnt{i}")
-        setup.append(f"mount -t tmpfs -o mode=755 none {top}")
+            make = "touch" if entry.is_file() else "mkdir -p"
+            setup.append(f"{make} {cwd}/.mnt{stash + i} && mount --bind {entry} {cwd}/.mnt{stash + i}")
+        setup.append(f"mount -t tmpfs -o mode=755 none {folder}")
         for i, entry in enumerate(entries):
-            setup.append(f"mkdir -p {entry} && mount --bind {cwd}/.mnt{i} {entry}")
+            make = "touch" if entry.is_file() else "mkdir -p"
+            setup.append(f"{make} {entry} && mount --bind {cwd}/.mnt{stash + i} {entry}")
+        stash += len(entries)
     setup.append(f"umask {umask:03o}")
     script = " && ".join(setup) + (f" && exec setpriv --reuid={OTHER_UID} --regid={OTHER_UID} --clear-groups "
                                    f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}")
@@ -341,3 +347,21 @@ def test_shared_cache_serves_a_second_user(tmp_path: Path) -> None:
         assert f"uid {OTHER_UID}" in last and "chmod" in last and "OPB_CACHE_DIR" in last, last
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
+@pytest.mark.skipif(ROOT.parent == ROOT.parent.parent, reason="the checkout is at the top of the filesystem")
+def test_the_second_user_test_passes_from_a_checkout_in_a_private_folder(tmp_path: Path) -> None:
+    """Many home folders are 0700: the test above, run from a checkout inside one, must still pass. In a mount
+    namespace of its own, the checkout's folder becomes a private (0700) tmpfs holding only the checkout."""
+    parent = shlex.quote(str(ROOT.parent))
+    root = shlex.quote(str(ROOT))
+    stash = tmp_path / "stash"
+    stash.mkdir()
+    script = (f"mount --bind {root} {stash} && mount -t tmpfs -o mode=700 none {parent} && mkdir {root} && "
+              f"mount --bind {stash} {root} && stat -c %a {parent} && exec {shlex.quote(sys.executable)} -m pytest -q "
+              f"-p no:cacheprovider {root}/tests/test_security.py -k test_shared_cache_serves_a_second_user")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd="/",
+                            env={k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}, timeout=900)
+    assert result.stdout.startswith("700\n"), result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]

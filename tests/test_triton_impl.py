@@ -46,15 +46,20 @@ def _plain_launcher(x: torch.Tensor) -> torch.Tensor:  # where Triton is absent:
     raise AssertionError("a Triton implementation ran where it cannot load")
 
 
-@pytest.fixture
-def triton_op():
+def _define(op: str) -> None:
+    """y = 2x + 1 on [rows, width], with two workloads."""
     definitions.register(definitions.Definition(
-        name=OP, axes=("rows", "width"),
+        name=op, axes=("rows", "width"),
         inputs={"x": definitions.TensorSpec(("rows", "width"))},
         outputs={"y": definitions.TensorSpec(("rows", "width"))},
         reference=reference,
         workloads=(definitions.Workload("8x64", (8, 64)), definitions.Workload("7x111", (7, 111))),
     ))
+
+
+@pytest.fixture
+def triton_op():
+    _define(OP)
     impls.register(OP, impls.triton("triton", _triton_launcher() if HAS_TRITON else _plain_launcher))
     impls.register(OP, impls.reference(reference))
     yield OP
@@ -89,3 +94,31 @@ def test_a_triton_kernel_is_checked_timed_and_dispatched(triton_op: str) -> None
     x = torch.randn(7, 111, device="cuda")
     assert fn.pick(x) == "triton"
     torch.testing.assert_close(fn(x), reference(x.double()).float(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_gpu_tests_sequence_on_the_cpu_with_a_python_stand_in() -> None:
+    """What the GPU test above does, with a Python implementation in the Triton kernel's place: check, a
+    trace in which it is fastest, ``dispatch.reset`` before the op's first ``apply`` (nothing to forget
+    yet, not an error), then dispatch sends the calls to it."""
+    op = "stand_in_twice_plus_one"
+    _define(op)
+    impls.register(op, impls.python("stand_in", lambda x: x * 2 + 1))
+    impls.register(op, impls.reference(reference))
+    try:
+        rows = check.check(op, device="cpu")
+        assert rows and all(r.status == "PASSED" for r in rows if r.implementation == "stand_in"), rows
+        check.save(op, [replace(r, us=1.0 if r.implementation == "stand_in" else 9.0) for r in rows], "tune")
+        dispatch.reset(op)
+        fn = dispatch.apply(op)(reference)
+        x = torch.randn(7, 111)
+        assert fn.pick(x) == "stand_in"
+        torch.testing.assert_close(fn(x), reference(x.double()).float(), rtol=1e-6, atol=1e-6)
+    finally:
+        dispatch.reset(op)
+
+
+def test_reset_of_a_name_nothing_registered_names_the_known_ops() -> None:
+    from opbuilder.errors import UnknownOpError
+
+    with pytest.raises(UnknownOpError, match="no dispatched op named 'never_registered_op'; known: relu"):
+        dispatch.reset("never_registered_op")

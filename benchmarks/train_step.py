@@ -1,0 +1,190 @@
+"""One training step with opbuilder's layers against the same model with PyTorch's layers (issue 23).
+
+    python benchmarks/train_step.py [--device cpu|cuda] [--dtype bf16|fp32] [--sizes 256,1024,1024 ...]
+                                    [--compile] [--json FILE]
+
+A step is: forward, MSE loss against a fixed target, backward, ``grad = None`` on every parameter; the
+models are benchmarks/parallel_models.py's (``FFNModel`` and ``Model``, two blocks), the two twins share
+their weights. For each model and size it prints, in one run:
+
+- step time (wall clock over a run of steps, the device synchronised at its ends), ours with the C++
+  gradient path, ours with the Python path (``OPB_CXX_AUTOGRAD=0``'s), and PyTorch's; speedup = PyTorch /
+  ours;
+- host time per step: on CUDA the same steps issued behind a long ``torch.cuda._sleep``, so the GPU never
+  holds the host back (the time to issue them); on the CPU the step time itself;
+- with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's.
+
+Rounds alternate the models (ours, PyTorch, ours, ...) and the median round is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from parallel_models import FFNModel, Model, twins  # noqa: E402
+
+from opbuilder import cxx_autograd  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# (dim, hidden, tokens): the issue's sizes on one GPU; the CPU ones fit a 2-core machine.
+SIZES = {"cuda": ["256,1024,1024", "1024,4096,8192"], "cpu": ["64,256,64", "256,1024,256"]}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> None:
+    F.mse_loss(model(x).float(), target).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def _time_steps(model, x, target, steps: int, device: str) -> float:
+    """Seconds per step, the device synchronised before and after the run."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        _step(model, x, target)
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _host_steps(model, x, target, steps: int, device: str) -> float:
+    """Seconds per step of host work: on CUDA, the steps are issued behind a long sleep kernel."""
+    if device != "cuda":
+        return _time_steps(model, x, target, steps, device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time at ~2 GHz: longer than issuing the steps
+    start = time.perf_counter()
+    for _ in range(steps):
+        _step(model, x, target)
+    host = (time.perf_counter() - start) / steps
+    torch.cuda.synchronize()
+    return host
+
+
+def _median_rounds(runs: dict, rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device: str, steps: int, rounds: int,
+            compile_: bool) -> dict:
+    ours, plain = twins(cls, dim, hidden, dtype, device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(tokens, dim, generator=g).to(device, dtype).requires_grad_(False)
+    target = torch.randn(tokens, dim, generator=g).to(device)
+    for model in (ours, plain):  # warm-up: builds, caches, autotuning of the libraries
+        for _ in range(3):
+            _step(model, x, target)
+    with cxx_autograd.disabled():
+        for _ in range(2):
+            _step(ours, x, target)
+
+    def python_path(fn):
+        def run():
+            with cxx_autograd.disabled():
+                return fn()
+        return run
+
+    # Few enough steps that their kernels fit the GPU's launch queue behind the sleep (about 80 launches a
+    # step here; a full queue would make the host wait for the GPU and time the GPU instead).
+    host_steps = max(2, min(steps, 4))
+    runs = {
+        "ours": lambda: _time_steps(ours, x, target, steps, device),
+        "ours_python": python_path(lambda: _time_steps(ours, x, target, steps, device)),
+        "torch": lambda: _time_steps(plain, x, target, steps, device),
+        "host_ours": lambda: _host_steps(ours, x, target, host_steps, device),
+        "host_ours_python": python_path(lambda: _host_steps(ours, x, target, host_steps, device)),
+        "host_torch": lambda: _host_steps(plain, x, target, host_steps, device),
+    }
+    if compile_:
+        c_ours, c_plain = torch.compile(ours), torch.compile(plain)
+        for model in (c_ours, c_plain):
+            for _ in range(3):
+                _step(model, x, target)
+        runs["compiled_ours"] = lambda: _time_steps(c_ours, x, target, steps, device)
+        runs["compiled_torch"] = lambda: _time_steps(c_plain, x, target, steps, device)
+    t = _median_rounds(runs, rounds)
+    row = {"model": cls.__name__, "dim": dim, "hidden": hidden, "tokens": tokens, "device": device,
+           "dtype": str(dtype).removeprefix("torch."), "glue": cxx_autograd.state(),
+           **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
+    row["speedup"] = t["torch"] / t["ours"]
+    row["speedup_python_path"] = t["torch"] / t["ours_python"]
+    row["host_ratio"] = t["host_ours"] / t["host_torch"]
+    row["host_ratio_python_path"] = t["host_ours_python"] / t["host_torch"]
+    if compile_:
+        row["compiled_speedup"] = t["compiled_torch"] / t["compiled_ours"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup", "host ours/torch",
+            "host py-path/torch", "compiled speedup")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        lines.append(" | ".join([
+            r["model"], str(r["dim"]), str(r["tokens"]), f"{r['ours_ms']:.3f}", f"{r['ours_python_ms']:.3f}",
+            f"{r['torch_ms']:.3f}", f"{r['speedup']:.2f}", f"{r['host_ratio']:.2f}",
+            f"{r['host_ratio_python_path']:.2f}",
+            f"{r['compiled_speedup']:.2f}" if "compiled_speedup" in r else "-"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--sizes", nargs="*", metavar="DIM,HIDDEN,TOKENS", help="default: " + str(SIZES))
+    p.add_argument("--models", nargs="*", default=["FFNModel", "Model"], choices=["FFNModel", "Model"])
+    p.add_argument("--steps", type=int, default=20, help="steps per timed run (default 20)")
+    p.add_argument("--rounds", type=int, default=5, help="timed runs per model (default 5, median kept)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads on the CPU")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the whole model")
+    p.add_argument("--json", type=Path, metavar="FILE")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but this torch sees no GPU")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
+    sizes = []
+    for text in args.sizes or SIZES[args.device]:
+        try:
+            dim, hidden, tokens = (int(v) for v in text.split(","))
+        except ValueError:
+            p.error(f"--sizes takes DIM,HIDDEN,TOKENS, got {text!r}")
+        sizes.append((dim, hidden, tokens))
+    cxx_autograd.load(wait=True)
+    rows = []
+    for dim, hidden, tokens in sizes:
+        for name in args.models:
+            cls = {"FFNModel": FFNModel, "Model": Model}[name]
+            rows.append(measure(cls, dim, hidden, tokens, dtype, args.device, args.steps, args.rounds, args.compile))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\nTraining step, {device}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
+          f"C++ gradient path: {cxx_autograd.state()} (median of {args.rounds} runs of {args.steps} steps):")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

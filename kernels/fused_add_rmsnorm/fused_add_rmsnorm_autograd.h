@@ -1,0 +1,114 @@
+// fused_add_rmsnorm's and rms_norm's C++ gradient path (kernels/autograd/autograd.h):
+//   fused_add_rmsnorm.grad(input, residual, weight, eps) -> (out, residual_out)
+//   rms_norm.grad(input, weight, eps) -> out
+// Both backwards are fused_add_rmsnorm_backward; when input and residual are both leaves the kernel writes
+// their two gradients itself (the .two_grads overload), as ops/fused_add_rmsnorm.py explains.
+#pragma once
+
+#include <autograd/autograd.h>
+
+namespace opb::autograd::fused_add_rmsnorm {
+
+using Opt = const std::optional<Tensor>&;
+using Fused = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double);
+using Rms = Tensor(const Tensor&, const Tensor&, double);
+using BackwardOp = std::tuple<Tensor, Tensor>(const Tensor&, Opt, const Tensor&, const Tensor&, double);
+using BackwardTwo = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, Opt, const Tensor&, const Tensor&, double);
+
+struct Ops {
+  c10::TypedOperatorHandle<Fused> fused;
+  c10::TypedOperatorHandle<Rms> rms;
+  c10::TypedOperatorHandle<BackwardOp> backward;
+  c10::TypedOperatorHandle<BackwardTwo> backward_two;
+};
+
+inline std::optional<Tensor> defined_or_none(const Tensor& t) {
+  return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
+}
+
+struct FusedBackward final : torch::autograd::Node {
+  std::shared_ptr<const Ops> ops;
+  SavedVariable residual_out, weight;
+  double eps = 0;
+  bool leaf_inputs = false;
+
+  variable_list apply(variable_list&& grads) override {
+    no_double_backward("fused_add_rmsnorm");
+    const bool need_in = task_should_compute_output(0), need_res = task_should_compute_output(1);
+    Tensor h = residual_out.unpack(getptr());
+    // An output nobody used has no gradient: out's is a zero tensor (the kernel reads it), residual_out's none.
+    Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(h);
+    const std::optional<Tensor> grad_res = defined_or_none(grads[1]);
+    Tensor gi, gr, gw;
+    if (need_in && need_res && leaf_inputs) {
+      std::tie(gi, gr, gw) = below(ops->backward_two, grad_out, grad_res, h, weight.unpack(), eps);
+    } else {
+      std::tie(gi, gw) = below(ops->backward, grad_out, grad_res, h, weight.unpack(), eps);
+      gr = gi;
+    }
+    return {need_in ? gi : Tensor(), need_res ? gr : Tensor(), task_should_compute_output(2) ? gw : Tensor()};
+  }
+  std::string name() const override { return "opbuilder::FusedAddRMSNormBackward"; }
+  void release_variables() override {
+    residual_out.reset_data();
+    weight.reset_data();
+  }
+};
+
+struct RmsBackward final : torch::autograd::Node {
+  std::shared_ptr<const Ops> ops;
+  SavedVariable input, weight;
+  double eps = 0;
+
+  variable_list apply(variable_list&& grads) override {
+    no_double_backward("rms_norm");
+    if (!grads[0].defined()) return {Tensor(), Tensor()};
+    auto [gi, gw] = below(ops->backward, grads[0], std::nullopt, input.unpack(), weight.unpack(), eps);
+    return {task_should_compute_output(0) ? gi : Tensor(), task_should_compute_output(1) ? gw : Tensor()};
+  }
+  std::string name() const override { return "opbuilder::RMSNormBackward"; }
+  void release_variables() override {
+    input.reset_data();
+    weight.reset_data();
+  }
+};
+
+inline void bind(Registrar& r) {
+  auto ops = std::make_shared<const Ops>(Ops{
+      find<Fused>(r.ns, "fused_add_rmsnorm", "nograd"), find<Rms>(r.ns, "rms_norm", "nograd"),
+      find<BackwardOp>(r.ns, "fused_add_rmsnorm_backward", ""),
+      find<BackwardTwo>(r.ns, "fused_add_rmsnorm_backward", "two_grads")});
+  r.lib.def("fused_add_rmsnorm.grad(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  r.lib.impl("fused_add_rmsnorm.grad",
+             torch::dispatch(c10::DispatchKey::Autograd,
+                             [ops](const Tensor& input, const Tensor& residual, const Tensor& weight,
+                                   double eps) -> std::tuple<Tensor, Tensor> {
+                               auto [out, h] = below(ops->fused, input, residual, weight, eps);
+                               if (torch::autograd::compute_requires_grad(input, residual, weight)) {
+                                 auto node = make_node<FusedBackward>(input, residual, weight);
+                                 node->ops = ops;
+                                 node->weight = SavedVariable(weight, false);
+                                 node->eps = eps;
+                                 node->leaf_inputs = input.is_leaf() && residual.is_leaf();
+                                 set_grad_fn({out, h}, node);
+                                 node->residual_out = SavedVariable(h, true);
+                               }
+                               return {out, h};
+                             }));
+  r.lib.def("rms_norm.grad(Tensor input, Tensor weight, float eps) -> Tensor");
+  r.lib.impl("rms_norm.grad", torch::dispatch(c10::DispatchKey::Autograd,
+                                              [ops](const Tensor& input, const Tensor& weight, double eps) -> Tensor {
+                                                Tensor out = below(ops->rms, input, weight, eps);
+                                                if (torch::autograd::compute_requires_grad(input, weight)) {
+                                                  auto node = make_node<RmsBackward>(input, weight);
+                                                  node->ops = ops;
+                                                  node->input = SavedVariable(input, false);
+                                                  node->weight = SavedVariable(weight, false);
+                                                  node->eps = eps;
+                                                  set_grad_fn({out}, node);
+                                                }
+                                                return out;
+                                              }));
+}
+
+}  // namespace opb::autograd::fused_add_rmsnorm

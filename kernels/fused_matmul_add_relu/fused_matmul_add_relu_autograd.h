@@ -1,0 +1,94 @@
+// fused_matmul_add_relu's C++ gradient path (kernels/autograd/autograd.h):
+// fused_matmul_add_relu.grad(lhs, rhs, bias?) -> y. The backward is ATen's: relu's mask from the saved y
+// (threshold_backward), then the GEMMs of matmul's backward, summed over broadcast dims.
+#pragma once
+
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/threshold_backward.h>
+
+#include <autograd/autograd.h>
+
+namespace opb::autograd::fused_matmul_add_relu {
+
+using Opt = const std::optional<Tensor>&;
+using Forward = Tensor(const Tensor&, const Tensor&, Opt);
+
+struct Ops {
+  c10::TypedOperatorHandle<Forward> forward;
+};
+
+inline Tensor reduce_to(const Tensor& grad, c10::IntArrayRef shape) {
+  return grad.sizes() == shape ? grad : grad.sum_to_size(shape);
+}
+
+inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, const Tensor& rhs) {
+  if (rhs.dim() == 3 && rhs.size(0) != 1) return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs.sizes());
+  // One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
+  const int64_t k = rhs.size(-2), n = rhs.size(-1);
+  Tensor lhs2 = lhs.reshape({-1, k}), grad2 = grad_pre.reshape({-1, n});
+  // rhs a transposed view (the layer's weight.t()): a gradient of that layout accumulates into the weight
+  // without a copy.
+  Tensor grad = rhs.stride(-2) == 1 && rhs.stride(-1) != 1 ? at::matmul(grad2.mT(), lhs2).mT()
+                                                           : at::matmul(lhs2.mT(), grad2);
+  return grad.reshape(rhs.sizes());
+}
+
+struct Backward final : torch::autograd::Node {
+  SavedVariable lhs, rhs, y;
+  std::vector<int64_t> bias_shape;
+  bool has_bias = false;
+
+  variable_list apply(variable_list&& grads) override {
+    // Every step is an ATen op with its own formula: double backward works.
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
+    Tensor a = lhs.unpack(), b = rhs.unpack();
+    Tensor grad_pre = at::threshold_backward(grads[0], y.unpack(getptr()), 0);
+    const bool need_a = task_should_compute_output(0), need_b = task_should_compute_output(1);
+    const bool need_c = has_bias && task_should_compute_output(2);
+    if (a.dim() == 2 && b.dim() == 2) {
+      // The linear layer's case, as aten's AddmmBackward does it: two mm and a column sum, no matmul or
+      // sum_to_size (composites that cost several dispatches each).
+      Tensor ga = need_a ? at::mm(grad_pre, b.t()) : Tensor();
+      Tensor gb;
+      if (need_b) gb = b.stride(0) == 1 && b.stride(1) != 1 ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
+      Tensor gc;
+      if (need_c) gc = bias_shape.size() == 1 && bias_shape[0] == grad_pre.size(1) ? at::sum(grad_pre, 0)
+                                                                                   : reduce_to(grad_pre, bias_shape);
+      return {ga, gb, gc};
+    }
+    Tensor ga = need_a ? reduce_to(at::matmul(grad_pre, b.mT()), a.sizes()) : Tensor();
+    Tensor gb = need_b ? grad_rhs(grad_pre, a, b) : Tensor();
+    Tensor gc = need_c ? reduce_to(grad_pre, bias_shape) : Tensor();
+    return {ga, gb, gc};
+  }
+  std::string name() const override { return "opbuilder::FusedMatmulAddReluBackward"; }
+  void release_variables() override {
+    lhs.reset_data();
+    rhs.reset_data();
+    y.reset_data();
+  }
+};
+
+inline void bind(Registrar& r) {
+  auto ops = std::make_shared<const Ops>(Ops{find<Forward>(r.ns, "fused_matmul_add_relu", "nograd")});
+  r.lib.def("fused_matmul_add_relu.grad(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
+  r.lib.impl("fused_matmul_add_relu.grad",
+             torch::dispatch(c10::DispatchKey::Autograd, [ops](const Tensor& lhs, const Tensor& rhs, Opt bias) -> Tensor {
+               Tensor y = below(ops->forward, lhs, rhs, bias);
+               const Tensor c = or_undefined(bias);
+               if (torch::autograd::compute_requires_grad(lhs, rhs, c)) {
+                 auto node = make_node<Backward>(lhs, rhs, c);
+                 node->lhs = SavedVariable(lhs, false);
+                 node->rhs = SavedVariable(rhs, false);
+                 node->has_bias = c.defined();
+                 if (c.defined()) node->bias_shape = c.sizes().vec();
+                 set_grad_fn({y}, node);
+                 node->y = SavedVariable(y, true);
+               }
+               return y;
+             }));
+}
+
+}  // namespace opb::autograd::fused_matmul_add_relu

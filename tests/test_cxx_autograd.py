@@ -1,0 +1,249 @@
+"""The built-in ops' C++ gradient path (opbuilder.cxx_autograd, kernels/autograd/): the same gradients as the
+Python path and as a float64 reference, recorded by C++ Nodes, with the Python path kept where the glue
+cannot be had."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DEVICES, run_python
+from opbuilder import cxx_autograd, ops
+from opbuilder.builders.autograd import AutogradGlueBuilder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def glue() -> None:
+    assert cxx_autograd.load(wait=True), "the glue builds and loads here (the CPU machine has a compiler)"
+
+
+def _cases(device: str, dtype: torch.dtype) -> dict[str, tuple[Callable, list, str, Callable]]:
+    """name -> (our function, its inputs (needing grads), the C++ Node's name, the float64 torch reference)."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype).requires_grad_()
+
+    F = torch.nn.functional
+    return {
+        "relu": (ops.relu, [t(7, 33)], "opbuilder::ReluBackward", torch.relu),
+        "softmax": (ops.softmax, [t(7, 33)], "opbuilder::SoftmaxBackward", lambda x: torch.softmax(x, -1)),
+        "fused_relu_layernorm": (ops.fused_relu_layernorm, [t(7, 33), t(33), t(33)],
+                                 "opbuilder::FusedReluLayerNormBackward",
+                                 lambda x, w, b: F.layer_norm(torch.relu(x), (33,), w, b, 1e-5)),
+        "fused_add_rmsnorm": (ops.fused_add_rmsnorm, [t(7, 33), t(7, 33), t(33)], "opbuilder::FusedAddRMSNormBackward",
+                              lambda a, r, w: (F.rms_norm(a + r, (33,), w, 1e-6), a + r)),
+        "rms_norm": (ops.rms_norm, [t(7, 33), t(33)], "opbuilder::RMSNormBackward",
+                     lambda a, w: F.rms_norm(a, (33,), w, 1e-6)),
+        "fused_matmul_add_relu": (ops.fused_matmul_add_relu, [t(7, 12), t(12, 5), t(5)],
+                                  "opbuilder::FusedMatmulAddReluBackward", lambda a, b, c: torch.relu(a @ b + c)),
+    }
+
+
+CASES = list(_cases("cpu", torch.float64))
+_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float64: 1e-10}
+
+
+def _tuple(out: object) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _grads(fn: Callable, args: list[torch.Tensor], upstream: list[torch.Tensor] | None = None):
+    out = _tuple(fn(*args))
+    upstream = upstream or [torch.randn_like(o) for o in out]
+    return out, upstream, torch.autograd.grad(out, args, upstream, allow_unused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", CASES)
+def test_cxx_path_matches_python_path_and_reference(name: str, dtype: torch.dtype, device: str) -> None:
+    fn, args, node, reference = _cases(device, dtype)[name]
+    out = _tuple(fn(*args))
+    assert out[0].grad_fn is not None and out[0].grad_fn.name() == node, out[0].grad_fn
+    out, upstream, got = _grads(fn, args)
+    with cxx_autograd.disabled():
+        py_out, _, want = _grads(fn, args, upstream)
+        assert out[0].grad_fn.name() != py_out[0].grad_fn.name()
+    for a, b in zip(out, py_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(got, want):  # the same kernels below both paths
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref_args = [a.detach().double().requires_grad_() for a in args]
+    _, _, ref = _grads(reference, ref_args, [u.double() for u in upstream])
+    tol = _TOL[dtype] * (30 if name in ("fused_relu_layernorm", "fused_add_rmsnorm", "rms_norm") else 1)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CASES)
+def test_cxx_path_gradcheck(name: str, device: str) -> None:
+    fn, args, node, _ = _cases(device, torch.float64)[name]
+    assert _tuple(fn(*args))[0].grad_fn.name() == node
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("name", ["relu", "softmax", "fused_matmul_add_relu"])
+def test_double_backward_where_the_backward_has_a_formula(name: str) -> None:
+    fn, args, node, _ = _cases("cpu", torch.float64)[name]
+    assert _tuple(fn(*args))[0].grad_fn.name() == node
+    assert torch.autograd.gradgradcheck(fn, args)
+
+
+@pytest.mark.parametrize("name", ["fused_relu_layernorm", "fused_add_rmsnorm", "rms_norm"])
+def test_double_backward_elsewhere_is_a_clear_error(name: str) -> None:
+    fn, args, _, _ = _cases("cpu", torch.float64)[name]
+    out = _tuple(fn(*args))
+    with pytest.raises(RuntimeError, match=f"{name}: double backward .*not supported"):
+        torch.autograd.grad(out[0].sum(), args, create_graph=True)
+
+
+def test_only_the_used_inputs_get_gradients_and_unused_outputs_are_zero() -> None:
+    a = torch.randn(5, 8, requires_grad=True)
+    r = torch.randn(5, 8)  # needs no gradient
+    w = torch.randn(8, requires_grad=True)
+    out, h = ops.fused_add_rmsnorm(a, r, w)
+    assert out.grad_fn.name() == "opbuilder::FusedAddRMSNormBackward"
+    (ga, gw) = torch.autograd.grad(h.sum(), [a, w])  # out unused: its gradient is zero
+    torch.testing.assert_close(ga, torch.ones_like(a))
+    torch.testing.assert_close(gw, torch.zeros_like(w))
+    # no weight, no bias: the Node has no edge for them, and the leaf x gets its .grad as with torch's ops
+    x = torch.randn(3, 8, requires_grad=True)
+    y = ops.fused_relu_layernorm(x, None, None)
+    assert y.grad_fn.name() == "opbuilder::FusedReluLayerNormBackward"
+    y.pow(2).sum().backward()
+    want = torch.autograd.grad(torch.nn.functional.layer_norm(torch.relu(x), (8,)).pow(2).sum(), x)[0]
+    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_change_of_a_saved_tensor_is_caught() -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+    y = ops.softmax(x)  # saves y
+    assert y.grad_fn.name() == "opbuilder::SoftmaxBackward"
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_compile_fullgraph_with_a_backward_takes_the_registered_op() -> None:
+    x = torch.randn(6, 10, requires_grad=True)
+    w = torch.randn(10, requires_grad=True)
+    fn = torch.compile(lambda t, w: ops.rms_norm(ops.relu(t), w).sum(), backend="aot_eager", fullgraph=True)
+    fn(x, w).backward()
+    want_x, want_w = torch.autograd.grad(torch.nn.functional.rms_norm(torch.relu(x), (10,), w, 1e-6).sum(), [x, w])
+    torch.testing.assert_close(x.grad, want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, want_w, rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_with_an_autocast_rule_takes_the_registered_op() -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    assert ops.softmax(x).grad_fn.name() == "opbuilder::SoftmaxBackward"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops.softmax(x).grad_fn.name() != "opbuilder::SoftmaxBackward"
+
+
+def test_glue_is_keyed_by_the_exact_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    builder = AutogradGlueBuilder()
+    assert builder.abi() == "classic" and builder.key_inputs()["torch"] == torch.__version__
+    key = builder.key
+    monkeypatch.setattr(torch, "__version__", "99.0.0")
+    builder.refresh()
+    assert builder.key != key
+
+
+_TRAIN = """
+import warnings
+warnings.simplefilter("always")
+import torch
+from opbuilder import cxx_autograd, ops
+layer = ops.FusedLinearReLU(8, 8)
+x = torch.randn(4, 8, requires_grad=True)
+for _ in range(3):
+    layer(x).sum().backward()
+    torch.relu(torch.zeros(1))
+print("state", cxx_autograd.state(), "grad_fn", type(ops.fused_matmul_add_relu(x, layer.weight.t(), layer.bias).grad_fn).__name__, "trained", layer.weight.grad is not None)
+"""
+
+
+def _cache_without_glue(src: Path, dst: Path) -> None:
+    for entry in src.iterdir():
+        if entry.is_dir() and entry.name not in ("autograd",) and not entry.name.startswith(".work"):
+            shutil.copytree(entry, dst / entry.name, symlinks=True)
+
+
+def test_without_a_compiler_training_takes_the_python_path_with_one_warning(tmp_path: Path) -> None:
+    ops.fused_matmul_add_relu(torch.randn(2, 3), torch.randn(3, 2))  # built in the run's cache
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    _cache_without_glue(Path(os.environ["OPB_CACHE_DIR"]), cache)
+    # The op loads (built with the real compiler); the compiler is gone before the first gradient.
+    code = _TRAIN.replace("for _ in", "layer(x.detach())\nimport os\nos.environ['CXX'] = '/nonexistent/c++'\nfor _ in")
+    result = run_python(code + "import time\nwhile cxx_autograd.state() == 'building':\n    time.sleep(0.2)\n"
+                        "    layer(x).sum().backward()\nprint('final', cxx_autograd.state())\n",
+                        env={"OPB_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "grad_fn Eager_" in result.stdout and "trained True" in result.stdout, result.stdout
+    assert "final off" in result.stdout, result.stdout
+    lines = [line for line in result.stderr.splitlines() if "take the Python path" in line]
+    assert len(lines) == 1, result.stderr[-3000:]
+
+
+def test_opting_out_takes_the_python_path_silently(tmp_path: Path) -> None:
+    result = run_python(_TRAIN, env={"OPB_CXX_AUTOGRAD": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "state off grad_fn Eager_" in result.stdout and "trained True" in result.stdout, result.stdout
+    assert "Python path" not in result.stderr
+
+
+def test_a_torch_upgrade_never_loads_the_old_glue(tmp_path: Path) -> None:
+    # The run's cache holds this torch's glue (the module fixture); a process claiming another torch must
+    # not load it: it starts its own build (stopped here: the test is about what it loads).
+    code = ("import torch\ntorch.__version__ = '99.0.0'\nfrom opbuilder import cxx_autograd\n"
+            "print('loaded', cxx_autograd.load(wait=False), cxx_autograd.state())\n"
+            "cxx_autograd._build.kill()\n")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded False building" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("bias_shape", [(5,), (7, 5), (1,), None])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_matmul_backward_of_the_linear_layer_case(bias_shape: tuple | None, transposed: bool) -> None:
+    """The 2-D case's own backward (two mm and a column sum): a weight used transposed (the layer's
+    weight.t()) gets a gradient of the weight's layout; every bias shape sums right."""
+    g = torch.Generator().manual_seed(3)
+    lhs = torch.randn(7, 12, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(5, 12, generator=g, dtype=torch.float64).requires_grad_()
+    plain = torch.randn(12, 5, generator=g, dtype=torch.float64).requires_grad_()
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    def fn(lhs, rhs_source, *bias):
+        rhs = rhs_source.t() if transposed else rhs_source
+        return ops.fused_matmul_add_relu(lhs, rhs, *bias)
+
+    args = [lhs, weight if transposed else plain] + ([bias] if bias is not None else [])
+    assert fn(*args).grad_fn.name() == "opbuilder::FusedMatmulAddReluBackward"
+    out, upstream, got = _grads(fn, args)
+    with cxx_autograd.disabled():
+        _, _, want = _grads(fn, args, upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert a.stride() == b.stride()
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_calls_without_a_gradient_never_ask_for_the_glue() -> None:
+    code = ("import torch\nfrom opbuilder import cxx_autograd, ops\n"
+            "x = torch.randn(4, 8)\nops.relu(x); ops.softmax(x); ops.rms_norm(x, torch.ones(8))\n"
+            "with torch.no_grad():\n    ops.relu(x.requires_grad_())\n"
+            "print('state', cxx_autograd.state())\n"
+            "ops.relu(x)\nprint('after a gradient', cxx_autograd.state())\n")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "state new" in result.stdout and "after a gradient ready" in result.stdout, result.stdout
