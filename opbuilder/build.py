@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opbuilder import cache, compile as ninja_build, env, loader
+from opbuilder import cache, compile as ninja_build, env, loader, remote
 from opbuilder.compile import SourcesChanged
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout
 
@@ -156,6 +156,11 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Path:
         failure = cache.read_failure(slot)
         if waited and failure is not None and failure["time"] is not None and failure["time"] >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
+        # --- remote tier (opbuilder.remote, OPB_REMOTE_CACHE): download another node's build, or build
+        # under the cluster's lease and share it; without one, build here.
+        tier = remote.tier(say)
+        if tier is not None:
+            return tier.obtain(slot, lambda: _build(spec, slot), say, reject_build_id)
         return _build(spec, slot)
     finally:
         lock.release()
