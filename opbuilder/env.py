@@ -34,6 +34,13 @@ VARIABLES: dict[str, str] = {
     "CPATH": "Read (never set): folders the compilers search for headers; part of the cache key (a switch rebuilds).",
     "C_INCLUDE_PATH": "Read (never set): as CPATH, for C; part of the cache key.",
     "CPLUS_INCLUDE_PATH": "Read (never set): as CPATH, for C++; part of the cache key.",
+    "OPB_REMOTE_CACHE": "A remote cache tier shared by the nodes of a cluster: redis://[user:password@]host:port/db or rediss:// (TLS); unset: none.",
+    "OPB_REMOTE_CACHE_SECRET_FILE": "File (readable by you alone) holding the cluster's secret that signs and checks remote artifacts; without it the remote tier is not used.",
+    "OPB_REMOTE_CACHE_PASSWORD_FILE": "File (readable by you alone) holding the Redis password, instead of one in the URL.",
+    "OPB_REMOTE_CACHE_PREFIX": "Prefix of opbuilder's keys in Redis (default opbuilder:<user>); ranks share builds under one prefix.",
+    "OPB_REMOTE_CACHE_MAX_BYTES": "Largest library shared through the remote tier, in bytes (default 268435456, 256 MiB).",
+    "OPB_REMOTE_CACHE_TIMEOUT": "Seconds one remote cache request may take before the tier is skipped with a warning (default 5).",
+    "OPB_REMOTE_LEASE_SECONDS": "Life of a remote build lease, renewed while the build runs: how soon another rank takes over a dead builder's build (default 30).",
 }
 
 #: The variables through which the compilers find headers that no flag names.
@@ -178,6 +185,54 @@ def build_vars() -> dict[str, bool]:
         for name in sorted(os.environ)
         if name.startswith("OPB_BUILD_") and name != "OPB_BUILD_OPS" and _get(name) is not None
     }
+
+
+def remote_cache_url() -> str | None:
+    return _get("OPB_REMOTE_CACHE")
+
+
+def remote_cache_secret_file() -> Path | None:
+    raw = _get("OPB_REMOTE_CACHE_SECRET_FILE")
+    return Path(raw).expanduser() if raw is not None else None
+
+
+def remote_cache_password_file() -> Path | None:
+    raw = _get("OPB_REMOTE_CACHE_PASSWORD_FILE")
+    return Path(raw).expanduser() if raw is not None else None
+
+
+def remote_cache_prefix() -> str | None:
+    return _get("OPB_REMOTE_CACHE_PREFIX")
+
+
+def remote_cache_max_bytes() -> int:
+    raw = _get("OPB_REMOTE_CACHE_MAX_BYTES")
+    if raw is None:
+        return 256 << 20
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"OPB_REMOTE_CACHE_MAX_BYTES must be a positive number of bytes, got {raw!r}")
+    return int(raw)
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = _get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {raw!r}")
+    return value
+
+
+def remote_cache_timeout() -> float:
+    return _seconds("OPB_REMOTE_CACHE_TIMEOUT", 5.0)
+
+
+def remote_lease_seconds() -> float:
+    return _seconds("OPB_REMOTE_LEASE_SECONDS", 30.0)
 
 
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:

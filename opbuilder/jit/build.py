@@ -238,6 +238,17 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Built:
         failure = cache.read_failure(slot)
         if waited and failure is not None and failure["time"] is not None and failure["time"] >= waited_since:
             raise BuildError(f"{failure.get('message')}\n(built by process {failure.get('pid')} while this one waited)")
+        # --- remote tier (opbuilder.jit.remote, OPB_REMOTE_CACHE): download another node's build, or build
+        # under the cluster's lease and share it; without one, build here.
+        from opbuilder.jit import remote
+
+        tier = remote.tier(say)
+        if tier is not None:
+            path = tier.obtain(slot, lambda: _build(spec, slot).path, say, reject_build_id)
+            good = _good_build(slot, None)
+            if good is None:
+                raise BuildError(f"opbuilder: the build of {spec.op} in {path} is unusable")
+            return good
         return _build(spec, slot)
     finally:
         lock.release()

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     clean.add_argument("ops", nargs="*", metavar="OP", help="ops to clean (default: every op in the cache)")
     clean.add_argument("--stale", action="store_true",
                        help="only builds that can no longer load here (another torch, Python, compiler, CPU, sources)")
+    clean.add_argument("--remote", action="store_true",
+                       help="empty this user's entries in the remote cache (OPB_REMOTE_CACHE) instead of the local cache")
 
     new = sub.add_parser("new", help="write a working skeleton of your own op (builder, kernels, binding, test)")
     new.add_argument("name", metavar="NAME", help="the op's name, lower_snake_case")
@@ -221,6 +223,7 @@ def _build(args: argparse.Namespace) -> int:
     if todo:
         # All at once by default: their compilers share the cores through the compile slots.
         failed += _build_all(todo, args.jobs or len(todo))
+        _fill_remote([b for b in todo if b.name not in failed])
     if failed:
         _err(f"opbuilder build: failed: {', '.join(failed)}")
         return 1
@@ -241,6 +244,20 @@ def _build_all(builders: list, jobs: int) -> list[str]:
         elif outcome != BUILT:  # a build already said what it did
             say(f"{name}: {outcome}")
     return failed
+
+
+def _fill_remote(builders: list) -> None:
+    """Share each good local build the remote tier (OPB_REMOTE_CACHE) lacks; one line per op."""
+    from opbuilder.jit import cache, remote
+    from opbuilder.jit.build import say
+
+    tier = remote.tier(say)
+    if tier is None:
+        return
+    for builder in builders:
+        slot = cache.Slot(builder.name, builder.key)
+        if cache.check_build(slot.path)[0] is not None:
+            say(f"{builder.name}: {tier.push(slot, say, replace=False)}")
 
 
 # ---- compile-commands --------------------------------------------------------------------------
@@ -298,6 +315,8 @@ def _compile_check(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
+    if args.remote:
+        return _clean_remote(list(dict.fromkeys(args.ops)) or None)
     from opbuilder import paths
     from opbuilder.jit import cache, registry, toolchain
     from opbuilder.jit.locks import FileLock, Timeout
@@ -363,6 +382,27 @@ def _clean(args: argparse.Namespace) -> int:
     if busy:
         summary += f"; skipped {busy} being built"
     print(summary)
+    return 0
+
+
+def _clean_remote(ops: list[str] | None) -> int:
+    from opbuilder import env
+    from opbuilder.jit import remote
+    from opbuilder.jit.build import say
+
+    tier = remote.tier(say)
+    if tier is None:
+        if env.remote_cache_url() is None:
+            _err("opbuilder clean --remote: no remote cache: OPB_REMOTE_CACHE is not set")
+        return 1
+    try:
+        removed = tier.clean(ops)
+    except remote.RemoteUnavailable as exc:
+        _err(f"opbuilder clean --remote: {tier.store.where}: {exc}")
+        return 1
+    what = ", ".join(ops) if ops else "every op"
+    print(f"removed {removed} remote entr{'y' if removed == 1 else 'ies'} ({what}) from {tier.store.where} "
+          f"under {tier.store.prefix}; builds in progress keep their leases")
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from opbuilder import env, paths
 from opbuilder.errors import OpBuilderError
-from opbuilder.jit import cache, fingerprint, registry, toolchain
+from opbuilder.jit import cache, fingerprint, registry, remote, toolchain
 from opbuilder.jit.builder import OpBuilder
 from opbuilder.paths import PACKAGE_DIR
 
@@ -318,12 +318,25 @@ def collect() -> dict[str, Any]:
             "writable": os.access(root, os.W_OK) if root.is_dir() else None,
             "user_ops": user_ops,
         },
+        "remote": remote.describe(),
         "ops": ops,
     }
 
 
 def _yes_no(value: bool | None) -> str:
     return "?" if value is None else ("yes" if value else "no")
+
+
+def _remote_text(r: dict[str, Any] | None) -> str:
+    """The remote tier in one line: where, reachable, what this process fetched and built."""
+    if r is None or not r["configured"]:
+        return "none"
+    if r["reachable"] is None:
+        return f"{r['where'] or ''}  NOT USED: {r['why_not']}".strip()
+    counts = f"this process: {r['hits']} hits, {r['misses']} misses, {r['uploads']} uploads, {r['refused']} refused"
+    if not r["reachable"]:
+        return f"{r['where']}  UNREACHABLE: {r['why_not']}; {counts}"
+    return f"{r['where']}  reachable, {r['entries']} entries under {r['prefix']}; {counts}"
 
 
 def render(data: dict[str, Any]) -> str:
@@ -350,6 +363,7 @@ def render(data: dict[str, Any]) -> str:
         + ("" if c["exists"] else ", not created yet")
         + (", NOT WRITABLE" if c["writable"] is False else "")
         + ")  [OPB_CACHE_DIR]",
+        f"  remote cache    {_remote_text(data.get('remote'))}  [OPB_REMOTE_CACHE]",
         "",
     ]
     header = ("op", "compatible", "prebuilt", "cached", "building", "last build")
