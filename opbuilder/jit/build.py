@@ -4,9 +4,12 @@
 
 1. an install-time build that fits this process (``opbuilder.jit.prebuilt``);
 2. a good build of the key in the cache: loaded without a lock (the warm path);
-3. otherwise the op must be buildable here (``IncompatibleOpError`` says why not);
+3. otherwise the op must be buildable here (``IncompatibleOpError`` says why not), unless a remote cache
+   tier is configured (``OPB_REMOTE_CACHE``): then that is asked first, under the lock (step 5);
 4. take the key's lock (another process may be building it: wait, up to ``OPB_LOCK_TIMEOUT``);
-5. look again: what we waited for may be there now (or its error, which is raised);
+5. look again: what we waited for may be there now (or its error, which is raised); then the remote tier,
+   if any (``opbuilder.jit.remote``): another node's build is downloaded, or this one builds under the
+   cluster's lease and shares it;
 6. build into a temporary folder: the compile runs from this process through ninja, on the build file
    torch.utils.cpp_extension writes (``opbuilder.jit.compile``); an edit recompiles only what it touched;
 7. publish with one atomic rename;
@@ -115,12 +118,13 @@ def _sequence(spec: BuildSpec, load: bool) -> Any:
             return handle
     elif cache.check_build(slot.path)[0] is not None:
         return Ready("cached", slot.path)
-    # 3. compatibility
+    # 3. compatibility: an op that cannot be built here is an error now; with a remote cache tier
+    #    (OPB_REMOTE_CACHE), only once that has no build either (a node without a compiler loads another's)
     reasons = spec.incompatible()
-    if reasons:
-        raise IncompatibleOpError(f"op {spec.op!r} cannot be built here: " + "; ".join(reasons))
+    if reasons and env.remote_cache_url() is None:
+        raise _incompatible(spec, reasons)
     # 4.-7. lock, re-check, build, publish
-    built = ensure_built(spec, reject_build_id=unloadable)
+    built = ensure_built(spec, reject_build_id=unloadable, cannot_build=reasons)
     if not load:
         return Ready("built", built.path)
     # 8. load
@@ -197,12 +201,17 @@ class Built:
     manifest: dict
 
 
-def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Built:
+def _incompatible(spec: BuildSpec, reasons: list[str]) -> IncompatibleOpError:
+    return IncompatibleOpError(f"op {spec.op!r} cannot be built here: " + "; ".join(reasons))
+
+
+def ensure_built(spec: BuildSpec, reject_build_id: str | None = None, cannot_build: list[str] = ()) -> Built:
     """Steps 4 to 7: a good build of ``spec``'s key, built under the key's lock unless one is there
     once the lock is ours.
 
     ``reject_build_id`` names a build found not to load: it is rebuilt unless another process
-    already replaced it. Raises as ``build_and_load`` does.
+    already replaced it. ``cannot_build``: why this process cannot compile the op (it may still find a
+    build: someone else's, or the remote tier's). Raises as ``build_and_load`` does.
     """
     from opbuilder.jit.locks import FileLock, Timeout
 
@@ -242,14 +251,19 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None) -> Built:
         # under the cluster's lease and share it; without one, build here.
         from opbuilder.jit import remote
 
+        def build_here() -> Built:
+            if cannot_build:
+                raise _incompatible(spec, list(cannot_build))
+            return _build(spec, slot)
+
         tier = remote.tier(say)
         if tier is not None:
-            path = tier.obtain(slot, lambda: _build(spec, slot).path, say, reject_build_id)
+            path = tier.obtain(slot, lambda: build_here().path, say, reject_build_id)
             good = _good_build(slot, None)
             if good is None:
                 raise BuildError(f"opbuilder: the build of {spec.op} in {path} is unusable")
             return good
-        return _build(spec, slot)
+        return build_here()
     finally:
         lock.release()
 
