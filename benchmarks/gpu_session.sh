@@ -63,7 +63,7 @@ fi
 if [[ " $steps " == *" train "* ]]; then
 mkdir -p "$out/train"
 step "the C++ gradient path: loaded after build --all"
-$py -c "from opbuilder import cxx_autograd; print('C++ gradient path:', cxx_autograd.load(wait=True), cxx_autograd.state())"
+$py -c "from opbuilder.torchop import cxx_autograd; print('C++ gradient path:', cxx_autograd.load(wait=True), cxx_autograd.state())"
 step "training step, one GPU (benchmarks/train_step.py ${TRAIN_ARGS:-})"
 timeout "${TRAIN_TIMEOUT:-300}" $py benchmarks/train_step.py ${TRAIN_ARGS:-} --json "$out/train/train_step.json" 2>&1 | tail -8
 step "host time per call, CUDA and CPU tensors (benchmarks/host_overhead.py)"
