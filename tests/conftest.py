@@ -27,6 +27,17 @@ from helpers import ROOT, run_python  # noqa: E402
 os.environ.setdefault("OPB_CACHE_DIR", str(ROOT / "build" / "test-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cxx_autograd_glue() -> None:
+    """The ops' C++ gradient glue, built (or loaded) once before the tests: the processes the tests start,
+    torchrun's ranks among them, then load it at their first gradient instead of each starting a background
+    build mid-test (a rank of tests/torchop/test_dtensor.py once aborted, cause not found, while the run's glue
+    was still being built). tests/torchop/test_cxx_autograd.py tests the background build on caches of its own."""
+    from opbuilder.torchop import cxx_autograd
+
+    cxx_autograd.load(wait=True)
+
+
 @pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty cache root for tests that build from scratch."""
