@@ -125,9 +125,13 @@ template <typename T>
 void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* dh2, T* dw, int64_t rows,
                     int64_t hidden, double eps) {
   using A = typename AccOf<T>::type;
-  // Rows are cut into a few chunks per thread; each chunk sums its weight gradient in its own row of
-  // `partial`, and the chunks are added in order at the end.
-  const int64_t want = std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())) * 4;
+  // Rows are cut into a few chunks per thread, none smaller than aten's grain (32768 elements: a small
+  // input stays on this thread, where waking the others would cost more than the work, and far more on a
+  // busy machine); each chunk sums its weight gradient in its own row of `partial`, and the chunks are
+  // added in order at the end.
+  const int64_t by_size = std::max<int64_t>(1, rows * hidden / 32768);
+  const int64_t want =
+      std::min(by_size, std::max<int64_t>(1, static_cast<int64_t>(torch::stable::get_num_threads())) * 4);
   const int64_t per_chunk = (rows + std::min(rows, want) - 1) / std::min(rows, want);
   const int64_t chunks = (rows + per_chunk - 1) / per_chunk;
   std::vector<A> partial(static_cast<size_t>(chunks * hidden), A(0));

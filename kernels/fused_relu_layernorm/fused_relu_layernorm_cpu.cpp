@@ -177,9 +177,11 @@ void backward_typed(const BwdArgs& a) {
   const A* wp = w != nullptr ? wa.data() : nullptr;
 
   // A fixed split of the rows into chunks, one partial dw/db row each, summed in chunk order below:
-  // the result does not depend on how the thread pool schedules the chunks.
+  // the result does not depend on how the thread pool schedules the chunks. None smaller than aten's grain
+  // (32768 elements): a small input stays on this thread, where waking the others costs more than the work.
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.rows, threads));
+  const int64_t by_size = std::max<int64_t>(1, a.rows * n / 32768);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({a.rows, threads, by_size}));
   const int64_t per_chunk = (a.rows + chunks - 1) / chunks;
   std::vector<A> part(affine ? 2 * chunks * n : 0, A(0));
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {

@@ -524,3 +524,26 @@ def test_cuda_graph_capture_and_replay_forward_backward(hidden):
         torch.testing.assert_close(x.grad, xe.grad)
         torch.testing.assert_close(r.grad, re.grad)
         torch.testing.assert_close(w.grad, we.grad)
+
+
+@pytest.mark.parametrize("rows,hidden", [(64, 64), (7, 300), (200, 33)])
+def test_small_cpu_backward_does_not_depend_on_the_thread_count(rows, hidden):
+    # A small input's weight gradient is summed on one thread: waking the pool would cost more than the
+    # work (and a scheduler's time slice on a busy machine). One chunk also means one summation order,
+    # whatever torch.get_num_threads() is: bit-for-bit the same gradient with 1 and 2 threads.
+    g = torch.Generator().manual_seed(rows * hidden)
+    x = torch.randn(rows, hidden, generator=g)
+    grad = torch.randn(rows, hidden, generator=g)
+    weight = torch.randn(hidden, generator=g)
+
+    def weight_grad(threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            w = weight.clone().requires_grad_()
+            rms_norm(x, w).backward(grad)
+            return w.grad
+        finally:
+            torch.set_num_threads(before)
+
+    assert torch.equal(weight_grad(1), weight_grad(2))

@@ -391,3 +391,26 @@ def test_the_cxx_checks_also_name_the_argument() -> None:
         bwd(torch.randn(4, 6), x, None, mean, rstd[:3], True)
     with pytest.raises(RuntimeError, match="backward: mean must be Float for Float x, got Double"):
         bwd(torch.randn(4, 6), x, None, mean.double(), rstd, True)
+
+
+@pytest.mark.parametrize("rows,hidden", [(64, 64), (7, 300), (200, 33)])
+def test_small_cpu_backward_does_not_depend_on_the_thread_count(rows: int, hidden: int) -> None:
+    # As fused_add_rmsnorm's: a small input's weight and bias gradients are summed on one thread, in one
+    # order, whatever torch.get_num_threads() is.
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=g)
+    grad = torch.randn(rows, hidden, generator=g)
+    weight, bias = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+
+    def grads(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+            fused_relu_layernorm(x, w, b).backward(grad)
+            return w.grad, b.grad
+        finally:
+            torch.set_num_threads(before)
+
+    (w1, b1), (w2, b2) = grads(1), grads(2)
+    assert torch.equal(w1, w2) and torch.equal(b1, b2)
