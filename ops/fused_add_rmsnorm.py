@@ -39,6 +39,7 @@ from opbuilder.torchop.lazy import LazyOps
 EPS = 1e-6
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
+_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
 
 
 def _register(ns: str) -> None:
@@ -281,6 +282,10 @@ class FusedAddRMSNorm(_NormLayer):
     ``normed = RMSNorm(new_residual)``, in one pass (the pre-norm decoder step). State: ``weight`` [hidden]."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.weight
+        if x.dtype is residual.dtype is weight.dtype and not _ANY_AUTOCAST():
+            # The usual call, in a few reads (it is on every step's path): no cast to make, the op checks the rest.
+            return fused_add_rmsnorm(x, residual, weight, self.eps)
         dtype = torch.promote_types(x.dtype, residual.dtype) if x.is_floating_point() else x.dtype
         if _norm_in_float32(x, dtype):
             new_residual = x + residual
@@ -293,6 +298,9 @@ class RMSNorm(_NormLayer):
     """``x * rsqrt(mean(x^2, -1) + eps) * weight``, like ``torch.nn.RMSNorm(hidden_size, eps)``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.dtype is weight.dtype and not _ANY_AUTOCAST():  # the usual call: no cast to make
+            return rms_norm(x, weight, self.eps)
         if _norm_in_float32(x, x.dtype):
             return rms_norm(x.float(), self.weight.float(), self.eps)
         weight = self.weight.to(x.dtype) if x.is_floating_point() else self.weight
