@@ -14,12 +14,17 @@ their weights. For each model and size it prints, in one run:
   holds the host back (the time to issue them); on the CPU the step time itself;
 - with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's.
 
-Rounds alternate the models (ours, PyTorch, ours, ...) and the median round is kept.
+Rounds alternate the models (ours, PyTorch, ours, ...); the median round is kept, and the least round
+too (``best``: at dim 256 a step is host-bound and its time wanders by 10-15 % between rounds, and between
+identical copies of one model). A second copy of the PyTorch model is timed alike (``control``): its
+speedup against the first is what two identical models differ by in that run, the noise floor of the
+speedups beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -75,21 +80,24 @@ def _host_steps(model, x, target, steps: int, device: str) -> float:
     return host
 
 
-def _median_rounds(runs: dict, rounds: int) -> dict[str, float]:
+def _rounds(runs: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(median, least) seconds of each run over ``rounds`` alternating rounds."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             times[name].append(run())
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return ({name: statistics.median(ts) for name, ts in times.items()},
+            {name: min(ts) for name, ts in times.items()})
 
 
 def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device: str, steps: int, rounds: int,
             compile_: bool) -> dict:
     ours, plain = twins(cls, dim, hidden, dtype, device)
+    control = copy.deepcopy(plain)
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(tokens, dim, generator=g).to(device, dtype).requires_grad_(False)
     target = torch.randn(tokens, dim, generator=g).to(device)
-    for model in (ours, plain):  # warm-up: builds, caches, autotuning of the libraries
+    for model in (ours, plain, control):  # warm-up: builds, caches, autotuning of the libraries
         for _ in range(3):
             _step(model, x, target)
     with cxx_autograd.disabled():
@@ -109,6 +117,7 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
         "ours": lambda: _time_steps(ours, x, target, steps, device),
         "ours_python": python_path(lambda: _time_steps(ours, x, target, steps, device)),
         "torch": lambda: _time_steps(plain, x, target, steps, device),
+        "control": lambda: _time_steps(control, x, target, steps, device),
         "host_ours": lambda: _host_steps(ours, x, target, host_steps, device),
         "host_ours_python": python_path(lambda: _host_steps(ours, x, target, host_steps, device)),
         "host_torch": lambda: _host_steps(plain, x, target, host_steps, device),
@@ -120,29 +129,34 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
                 _step(model, x, target)
         runs["compiled_ours"] = lambda: _time_steps(c_ours, x, target, steps, device)
         runs["compiled_torch"] = lambda: _time_steps(c_plain, x, target, steps, device)
-    t = _median_rounds(runs, rounds)
+    t, best = _rounds(runs, rounds)
     row = {"model": cls.__name__, "dim": dim, "hidden": hidden, "tokens": tokens, "device": device,
            "dtype": str(dtype).removeprefix("torch."), "glue": cxx_autograd.state(),
            **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
+    row.update({f"best_{k}_ms": v * 1e3 for k, v in best.items()})
     row["speedup"] = t["torch"] / t["ours"]
+    row["speedup_best"] = best["torch"] / best["ours"]
+    row["control_speedup"] = t["torch"] / t["control"]
+    row["host_ratio_best"] = best["host_ours"] / best["host_torch"]
     row["speedup_python_path"] = t["torch"] / t["ours_python"]
     row["host_ratio"] = t["host_ours"] / t["host_torch"]
     row["host_ratio_python_path"] = t["host_ours_python"] / t["host_torch"]
     if compile_:
         row["compiled_speedup"] = t["compiled_torch"] / t["compiled_ours"]
+        row["compiled_speedup_best"] = best["compiled_torch"] / best["compiled_ours"]
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup", "host ours/torch",
-            "host py-path/torch", "compiled speedup")
+    head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup (best)", "control",
+            "host ours/torch (best)", "host py-path/torch", "compiled speedup (best)")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([
             r["model"], str(r["dim"]), str(r["tokens"]), f"{r['ours_ms']:.3f}", f"{r['ours_python_ms']:.3f}",
-            f"{r['torch_ms']:.3f}", f"{r['speedup']:.2f}", f"{r['host_ratio']:.2f}",
-            f"{r['host_ratio_python_path']:.2f}",
-            f"{r['compiled_speedup']:.2f}" if "compiled_speedup" in r else "-"]))
+            f"{r['torch_ms']:.3f}", f"{r['speedup']:.2f} ({r['speedup_best']:.2f})", f"{r['control_speedup']:.2f}",
+            f"{r['host_ratio']:.2f} ({r['host_ratio_best']:.2f})", f"{r['host_ratio_python_path']:.2f}",
+            f"{r['compiled_speedup']:.2f} ({r['compiled_speedup_best']:.2f})" if "compiled_speedup" in r else "-"]))
     return "\n".join(lines)
 
 
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="*", metavar="DIM,HIDDEN,TOKENS", help="default: " + str(SIZES))
     p.add_argument("--models", nargs="*", default=["FFNModel", "Model"], choices=["FFNModel", "Model"])
     p.add_argument("--steps", type=int, default=20, help="steps per timed run (default 20)")
-    p.add_argument("--rounds", type=int, default=5, help="timed runs per model (default 5, median kept)")
+    p.add_argument("--rounds", type=int, default=9, help="timed runs per model (default 9; median and least kept)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads on the CPU")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the whole model")
     p.add_argument("--json", type=Path, metavar="FILE")
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nTraining step, {device}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
-          f"C++ gradient path: {cxx_autograd.state()} (median of {args.rounds} runs of {args.steps} steps):")
+          f"C++ gradient path: {cxx_autograd.state()} (median of {args.rounds} runs of {args.steps} steps; in "
+          f"brackets the least run's; control: a copy of the PyTorch model against it):")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
