@@ -1,6 +1,9 @@
 """benchmarks/multi_gpu.py through torchrun on an empty cache: each op built once, and under DDP, FSDP2 and
 tensor + sequence parallelism the loss and gradients of opbuilder's model equal those of PyTorch's. Two CPU
-ranks (gloo) here; every visible GPU (NCCL) on a machine with two or more. Timings are not asserted."""
+ranks (gloo) here; every visible GPU (NCCL) on a machine with two or more. Timings are not asserted.
+
+The cache holds only the run's C++ gradient glue (which the benchmark loads before its timed steps, as a
+job that has run once has it; tests/torchop/test_cxx_autograd.py tests its build): empty of ops."""
 
 from __future__ import annotations
 
@@ -13,14 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, copy_builds
 from opbuilder.jit.registry import names
 
 PLANS = ("DDP", "FSDP2", "TP+SP")
 
 
-def run_benchmark(tmp_path: Path, ranks: int, *args: str) -> dict:
+def run_benchmark(tmp_path: Path, glue_cache: Path, ranks: int, *args: str) -> dict:
     out = tmp_path / "multi_gpu.json"
+    copy_builds(glue_cache, tmp_path / "cache", ["autograd"])
     # PYTHONPATH: opbuilder from this checkout in every rank, installed or not.
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OPB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
@@ -48,16 +52,16 @@ def assert_checks_pass(report: dict, ranks: int) -> None:
 
 
 @pytest.mark.slow
-def test_two_cpu_ranks_gloo(tmp_path: Path) -> None:
-    report = run_benchmark(tmp_path, 2, "--device", "cpu", "--backend", "gloo", "--dim", "32", "--hidden", "64",
-                           "--seq", "16")
+def test_two_cpu_ranks_gloo(tmp_path: Path, cxx_autograd_glue: Path) -> None:
+    report = run_benchmark(tmp_path, cxx_autograd_glue, 2, "--device", "cpu", "--backend", "gloo", "--dim", "32",
+                           "--hidden", "64", "--seq", "16")
     assert_checks_pass(report, 2)
 
 
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs: run on a multi-GPU machine")
-def test_every_gpu_nccl(tmp_path: Path) -> None:
+def test_every_gpu_nccl(tmp_path: Path, cxx_autograd_glue: Path) -> None:
     ranks = min(torch.cuda.device_count(), 8)
-    report = run_benchmark(tmp_path, ranks, "--device", "cuda", "--backend", "nccl", "--seq", "256")
+    report = run_benchmark(tmp_path, cxx_autograd_glue, ranks, "--device", "cuda", "--backend", "nccl", "--seq", "256")
     assert_checks_pass(report, ranks)
