@@ -28,14 +28,39 @@ os.environ.setdefault("OPB_CACHE_DIR", str(ROOT / "build" / "test-cache"))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cxx_autograd_glue() -> None:
-    """The ops' C++ gradient glue, built (or loaded) once before the tests: the processes the tests start,
-    torchrun's ranks among them, then load it at their first gradient instead of each starting a background
-    build mid-test (a rank of tests/torchop/test_dtensor.py once aborted, cause not found, while the run's glue
-    was still being built). tests/torchop/test_cxx_autograd.py tests the background build on caches of its own."""
+def _cxx_autograd_glue_started() -> None:
+    """The ops' C++ gradient glue starts building (or loading) at the start of the run, in the background as
+    a first gradient starts it (a child process; under xdist one worker's child builds, the others' wait on
+    its lock), while the tests run: no worker sits idle for the build (about 20 s of CPU). Tests whose
+    processes need the glue wait for it with ``cxx_autograd_glue``; in this process, calls take the Python
+    path until it is there, as a user's first steps do, and ``_cxx_autograd_glue_switch`` loads it between
+    tests. tests/torchop/test_cxx_autograd.py tests the background build on caches of its own."""
+    from opbuilder.torchop import cxx_autograd
+
+    cxx_autograd.load(wait=False)
+
+
+@pytest.fixture(autouse=True)
+def _cxx_autograd_glue_switch(_cxx_autograd_glue_started: None) -> None:
+    """Once the background build has ended, the glue is loaded before the next test starts (from the run's
+    cache, before any test's fixture points OPB_CACHE_DIR elsewhere), not at a gradient inside a test."""
+    from opbuilder.torchop import cxx_autograd
+
+    if cxx_autograd.state() == "building":
+        cxx_autograd.load(wait=False)  # a poll: loads it if the build has ended, never waits
+
+
+@pytest.fixture(scope="session")
+def cxx_autograd_glue(_cxx_autograd_glue_started: None) -> Path:
+    """Waits until the glue is built and loaded; returns the run's cache, which then holds it. For tests whose
+    processes record gradients (torchrun's ranks among them): they load it at their first gradient instead
+    of each starting a background build mid-test (a rank of tests/torchop/test_dtensor.py once aborted,
+    cause not found, while the run's glue was still being built), and a test can copy it into a cache
+    of its own (``helpers.copy_builds``)."""
     from opbuilder.torchop import cxx_autograd
 
     cxx_autograd.load(wait=True)
+    return Path(os.environ["OPB_CACHE_DIR"])
 
 
 @pytest.fixture

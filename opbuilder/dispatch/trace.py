@@ -201,6 +201,17 @@ def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any
     return target
 
 
+def check_writable(op: str) -> None:
+    """Raises CacheError when ``op``'s traces cannot be written here (a read-only or full cache, a folder not
+    this user's), as ``write`` would: asked before a check or tune runs every implementation, not after.
+    Leaves nothing behind."""
+    probe = paths.traces(op) / f".probe-{os.getpid()}"
+    cache.write_text_atomic(probe, "a trace can be written here\n")
+    probe.unlink()
+    with contextlib.suppress(OSError):  # an empty folder would count as a trace (any_for) until one is written
+        probe.parent.rmdir()
+
+
 Choice = tuple[str, torch.dtype, Bucket]
 
 

@@ -142,6 +142,15 @@ def _import(modules: list[str]) -> None:
         importlib.import_module(name)
 
 
+def _writable_traces(op: str) -> None:
+    """Refuses a check or tune whose rows could not be stored (a read-only or full cache: CacheError) before it
+    runs every implementation of ``op``; an unknown op is named first (UnknownOpError), with nothing written."""
+    from opbuilder.dispatch import definitions, trace
+
+    definitions.get(op)
+    trace.check_writable(op)
+
+
 def _check(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
@@ -150,6 +159,7 @@ def _check(args: argparse.Namespace) -> int:
     from opbuilder.tools import dispatch_report
 
     _import(args.imports)
+    _writable_traces(args.op)
     rows = check.check(args.op, args.device, timeout_s=check.CALL_TIMEOUT_S if args.timeout is None else args.timeout)
     where = check.save(args.op, rows, "check")
     if args.json:
@@ -164,6 +174,7 @@ def _tune(args: argparse.Namespace) -> int:
     from opbuilder.tools import dispatch_report
 
     _import(args.imports)
+    _writable_traces(args.op)
     rows = check.tune(args.op, args.device, args.budget_ms, timeout_s=check.CALL_TIMEOUT_S if args.timeout is None else args.timeout)
     where = check.save(args.op, rows, "tune")
     if args.json:

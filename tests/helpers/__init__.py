@@ -49,3 +49,13 @@ def copy_cache(cache: Path, dest: Path) -> Path:
     match: the copy is a warm cache); returns ``dest``."""
     shutil.copytree(cache, dest, symlinks=True)
     return dest
+
+
+def copy_builds(cache: Path, dest: Path, ops: list[str]) -> Path:
+    """Copies the builds of ``ops`` (names of folders in the cache: ``relu``, ``autograd`` for the C++ gradient
+    glue) from the cache ``cache`` into the cache ``dest`` (made if missing), as ``copy_cache`` copies a
+    cache: warm there. Returns ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for op in ops:
+        shutil.copytree(cache / op, dest / op, symlinks=True)
+    return dest

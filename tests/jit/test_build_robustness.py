@@ -462,10 +462,28 @@ def test_a_disk_that_fills_while_publishing_is_named_and_leaves_nothing(tmp_path
     assert "RESULT [0.0, 2.0, 4.0]" in result.stdout
 
 
+# An implementation of relu that leaves a file behind when it runs (imported with --import).
+SPY_IMPLEMENTATION = """
+from pathlib import Path
+
+import torch
+from opbuilder.dispatch import implementations
+
+
+def spy(x):
+    Path({marker!r}).write_text("ran")
+    return torch.relu(x)
+
+
+implementations.register("relu", implementations.python("spy", spy))
+"""
+
+
 @mounts.needs_mounts
 @pytest.mark.parametrize("command", ["check", "tune"])
 @pytest.mark.parametrize("state", ["full", "read-only"])
 def test_check_and_tune_on_a_full_or_read_only_cache(command: str, state: str, tmp_path: Path) -> None:
+    """Refused before any implementation runs (the rows could not be stored), with the cache's error."""
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
     quoted = shlex.quote(str(root))
@@ -473,9 +491,13 @@ def test_check_and_tune_on_a_full_or_read_only_cache(command: str, state: str, t
         setup = f"mount -t tmpfs -o size=256k none {quoted} && (dd if=/dev/zero of={quoted}/filler bs=4k 2>/dev/null || true)"
     else:
         setup = f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}"
-    args = [command, "relu"] + (["--budget-ms", "2"] if command == "tune" else [])
+    project, marker = tmp_path / "project", tmp_path / "spy-ran"
+    project.mkdir()
+    (project / "relu_spy.py").write_text(SPY_IMPLEMENTATION.format(marker=str(marker)))
+    args = [command, "relu", "--import", "relu_spy"] + (["--budget-ms", "2"] if command == "tune" else [])
     code = f"import sys\nfrom opbuilder.tools.cli import main\nsys.exit(main({args!r}))"
-    result = mounts.in_mount_namespace(setup + f" && mkdir -p {quoted}/probe 2>/dev/null; true", code, OPB_CACHE_DIR=str(root))
+    result = mounts.in_mount_namespace(setup + f" && mkdir -p {quoted}/probe 2>/dev/null; true", code, cwd=project,
+                                       OPB_CACHE_DIR=str(root))
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
@@ -483,3 +505,4 @@ def test_check_and_tune_on_a_full_or_read_only_cache(command: str, state: str, t
     assert last.startswith(f"opbuilder {command}: ") and reason in last and "OPB_CACHE_DIR" in last, last
     leftovers = [str(p) for p in root.rglob(".tmp-*")] if root.exists() else []
     assert leftovers == [], leftovers
+    assert not marker.exists(), f"{command} ran the implementations before finding that the cache cannot be written"

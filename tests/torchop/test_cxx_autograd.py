@@ -184,8 +184,11 @@ def test_without_a_compiler_training_takes_the_python_path_with_one_warning(tmp_
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     _cache_without_glue(Path(os.environ["OPB_CACHE_DIR"]), cache)
-    # The op loads (built with the real compiler); the compiler is gone before the first gradient.
-    code = _TRAIN.replace("for _ in", "layer(x.detach())\nimport os\nos.environ['CXX'] = '/nonexistent/c++'\nfor _ in")
+    # The op loads (built with the real compiler) without recording a gradient (the layer's parameters need
+    # one: a call outside no_grad would start the glue's build with the real compiler); the compiler is gone
+    # before the first gradient.
+    code = _TRAIN.replace("for _ in", "with torch.no_grad():\n    layer(x)\nimport os\n"
+                                      "os.environ['CXX'] = '/nonexistent/c++'\nfor _ in")
     result = run_python(code + "import time\nwhile cxx_autograd.state() == 'building':\n    time.sleep(0.2)\n"
                         "    layer(x).sum().backward()\nprint('final', cxx_autograd.state())\n",
                         env={"OPB_CACHE_DIR": str(cache)})
@@ -194,6 +197,7 @@ def test_without_a_compiler_training_takes_the_python_path_with_one_warning(tmp_
     assert "final off" in result.stdout, result.stdout
     lines = [line for line in result.stderr.splitlines() if "take the Python path" in line]
     assert len(lines) == 1, result.stderr[-3000:]
+    assert "C++ compiler '/nonexistent/c++' not found" in lines[0], lines[0]
 
 
 def test_opting_out_takes_the_python_path_silently(tmp_path: Path) -> None:

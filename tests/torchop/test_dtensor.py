@@ -19,7 +19,7 @@ EXPECTED_CHECKS = {2: 49, 4: 63}
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_dtensor_ops_and_models(ranks: int, tmp_path: Path) -> None:
+def test_dtensor_ops_and_models(ranks: int, tmp_path: Path, cxx_autograd_glue: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            str(ROOT / "tests" / "helpers" / "dist_dtensor.py"), str(tmp_path)]

@@ -22,7 +22,7 @@ def test_import_builds_nothing_and_pulls_in_no_compiler(fresh_cache: Path) -> No
     assert not fresh_cache.exists() or not any(fresh_cache.iterdir())
 
 
-def test_first_call_inside_torch_compile_fullgraph() -> None:
+def test_first_call_inside_torch_compile_fullgraph(cxx_autograd_glue: Path) -> None:
     code = textwrap.dedent("""
         import torch
         from opbuilder.ops import relu
