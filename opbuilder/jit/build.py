@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from opbuilder import env, paths
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, SourcesChanged
@@ -69,8 +69,7 @@ class BuildSpec:
     rekey: Callable[[], BuildSpec] | None = field(default=None, repr=False)
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(NamedTuple):  # NamedTuples, not dataclasses: made cheaply at import, on every op's warm path
     """What ``build_and_load(spec, load=False)`` found or did: ``how`` is "prebuilt", "cached" or "built"."""
 
     how: str
@@ -192,8 +191,7 @@ def _demangle(symbol: str) -> str:
     return out.stdout.strip() or symbol
 
 
-@dataclass(frozen=True)
-class Built:
+class Built(NamedTuple):
     """A good build of a key: its folder, its library and its manifest (as checked)."""
 
     path: Path
