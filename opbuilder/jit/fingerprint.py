@@ -70,7 +70,31 @@ class FileMemo:
         self.path = path
         self._kept = self._read() if path is not None and trust else {}
         self._seen: dict[str, tuple[tuple[int, ...], Facts]] = {}
+        # What this object found of the file system, asked once (one key is worked out from one view of it).
+        self._real: dict[str, str] = {}
+        self._included: dict[tuple[str, tuple[str, ...]], list[str] | None] = {}
         self.reads = 0  # files read (and hashed) by this object: the warm path reads none
+
+    def realpath(self, path: str) -> str:
+        real = self._real.get(path)
+        if real is None:
+            real = self._real[path] = os.path.realpath(path)
+        return real
+
+    def included(self, path: str, roots: tuple[str, ...]) -> list[str] | None:
+        """The files ``path``'s ``#include`` lines name, as found (``project_files``); None when it cannot be read."""
+        key = (path, roots)
+        if key not in self._included:
+            facts = self.facts(path)
+            found = None if facts is None else []
+            for quote, rel in facts.includes if facts is not None else ():
+                for root in ((os.path.dirname(path),) if quote == '"' else ()) + roots:
+                    candidate = os.path.normpath(os.path.join(root, rel))
+                    if os.path.isfile(candidate):
+                        found.append(candidate)
+                        break
+            self._included[key] = found
+        return self._included[key]
 
     def facts(self, path: str) -> Facts | None:
         """The file's facts, or None when it cannot be read (missing, a folder, no permission)."""
@@ -168,24 +192,19 @@ def project_files(sources: list[Path], include_paths: list[Path], memo: FileMemo
     # Plain strings and os.path: this runs on every warm load. A file is visited once (by its real
     # path), but its own quoted includes are looked up beside the path it was reached by, as the
     # compiler does for a header reached through a symbolic link.
-    roots = [str(p) for p in include_paths]
+    roots = tuple(str(p) for p in include_paths)
     seen: dict[str, str] = {}
     stack = [os.path.abspath(p) for p in sources]
     while stack:
         path = stack.pop()
-        real = os.path.realpath(path)
+        real = memo.realpath(path)
         if real in seen:
             continue
         seen[real] = path
-        facts = memo.facts(path)
-        if facts is None:
+        found = memo.included(path, roots)
+        if found is None:
             continue  # a missing source is reported by the build, with the compiler's words
-        for quote, rel in facts.includes:
-            for root in ([os.path.dirname(path)] if quote == '"' else []) + roots:
-                candidate = os.path.normpath(os.path.join(root, rel))
-                if os.path.isfile(candidate):
-                    stack.append(candidate)
-                    break
+        stack += found
     return [Path(p) for p in sorted(seen.values())]
 
 
