@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from opbuilder import env
 from opbuilder.errors import IncompatibleOpError
-from opbuilder.jit import fingerprint, prebuilt, toolchain
+from opbuilder.jit import fingerprint, toolchain
 from opbuilder.paths import INCLUDE_DIR, key_memo
 
 if TYPE_CHECKING:
+    from opbuilder.jit import prebuilt
     from opbuilder.jit.build import BuildSpec
 
 log = logging.getLogger("opbuilder")
@@ -520,6 +521,8 @@ class OpBuilder:
 
     def prebuilt_requirements(self) -> dict[str, Any]:
         """What a prebuilt library of this op must have been built with to run in this process."""
+        from opbuilder.jit import prebuilt
+
         stable = self.abi() == "stable"
         return prebuilt.requirements(
             op=self.name, version=self.VERSION, python_module=self.is_python_module(), stable=stable,
@@ -538,6 +541,8 @@ class OpBuilder:
         folder = self.prebuilt_dir()
         if folder is None or not folder.is_dir():
             return None
+        from opbuilder.jit import prebuilt
+
         with_cuda = self.with_cuda()
         return prebuilt.Wanted(op=self.name, folder=folder, requires=self.prebuilt_requirements(),
                                with_cuda=with_cuda, cuda_archs=tuple(self.cuda_archs()) if with_cuda else ())

@@ -18,8 +18,9 @@ nothing calls back into the builder.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from opbuilder import env
 from opbuilder.jit import cache, loader, toolchain
@@ -43,12 +44,13 @@ _LABELS = {
 }
 
 
-class Wanted(NamedTuple):  # a NamedTuple, not a dataclass: made cheaply at import, on every op's warm path
+@dataclass(frozen=True)
+class Wanted:
     """What a prebuilt library of one built-in op must match to serve this process."""
 
     op: str
     folder: Path  # opbuilder/_prebuilt/<op>
-    requires: dict[str, Any]  # ``requirements(...)`` of the op here
+    requires: dict[str, Any] = field(hash=False)  # ``requirements(...)`` of the op here
     with_cuda: bool  # whether this machine builds the op's CUDA part
     cuda_archs: tuple[str, ...]  # the archs a build here targets
 
