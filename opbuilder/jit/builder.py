@@ -396,6 +396,10 @@ class OpBuilder:
 
     @cached_property
     def _key_inputs(self) -> dict[str, Any]:
+        with toolchain.one_lookup():
+            return self._worked_out_key_inputs()
+
+    def _worked_out_key_inputs(self) -> dict[str, Any]:
         with_cuda = self.with_cuda()
         cxx_args = self.final_cxx_args()
         cxx = toolchain.cxx_path()
