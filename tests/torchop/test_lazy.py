@@ -78,3 +78,25 @@ def test_warm_first_call_imports_no_tool_and_no_build_machinery(tmp_path: Path) 
     assert "BAD []" in result.stdout, result.stdout
     assert "OPS ['opbuilder.ops._checks', 'opbuilder.ops.relu']" in result.stdout, result.stdout
     assert "READ []" in result.stdout, result.stdout
+
+
+def test_each_op_module_is_imported_at_the_first_use_of_its_names() -> None:
+    code = textwrap.dedent("""
+        import importlib, sys, torch
+        import opbuilder.ops as ops
+        print("AT IMPORT", [m for m in sys.modules if m.startswith("opbuilder.ops.")])
+        importlib.import_module("opbuilder.ops.softmax")  # the module by its name, as registry.record does
+        assert ops.softmax.__name__ == "softmax" and ops.Softmax.__name__ == "Softmax", "the function, not the module"
+        from opbuilder.ops import FusedLinearReLU, rms_norm
+        assert rms_norm.__module__ == "opbuilder.ops.fused_add_rmsnorm" and FusedLinearReLU.__name__ == "FusedLinearReLU"
+        assert set(ops.__all__) <= set(dir(ops))
+        assert all(getattr(ops, name).__name__ == name for name in ops.__all__)
+        try:
+            ops.no_such_op
+        except AttributeError as exc:
+            print("ERROR", exc)
+    """)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "AT IMPORT []" in result.stdout
+    assert "ERROR module 'opbuilder.ops' has no attribute 'no_such_op'" in result.stdout
