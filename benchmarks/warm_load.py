@@ -7,8 +7,16 @@
   autograd registrations included), each timed inside the process.
 - Cold build: the op's load() into an empty cache, in seconds. Targets: relu at most 8 s CPU-only on
   the 2-core machine, at most 6 s with CUDA on the H100 machine.
+- Light first call (``--light``, alone): ``import opbuilder.ops as ops; ops.<op>(x)`` on 16 floats after
+  ``import torch``, the op already in the cache, against ``x = torch.randn(16)`` alone: the median over
+  fresh processes (7 by default) of the time after ``import torch``, wall and CPU (``time.process_time``,
+  which other processes on the machine disturb less), with its spread. Target (issue 22): at most 15 ms.
+  ``--light DIR ...`` measures other checkouts too (e.g. ``git archive main | tar -x -C DIR``), interleaved
+  with this one; run it with an interpreter that has no editable install of opbuilder (the system
+  python), so that each child imports the checkout it is given (PYTHONPATH) and nothing else.
 
 Usage: python benchmarks/warm_load.py [--op relu] [--repeats 15] [--cold-repeats 1] [--json FILE]
+       python benchmarks/warm_load.py --light [DIR ...] [--op relu] [--repeats 7] [--json FILE]
 The warm runs use OPB_CACHE_DIR when set (else a temporary cache); cold builds always use new empty
 folders. TORCH_CUDA_ARCH_LIST applies as usual (set it to 9.0 on the H100 machine).
 """
@@ -67,11 +75,28 @@ print(json.dumps({{"build_s": time.perf_counter() - t0, "cuda": torch.cuda.is_av
 """
 
 
-def run(code: str, cache: Path) -> tuple[float, dict]:
-    """Runs ``code`` in a fresh interpreter with OPB_CACHE_DIR=cache; returns (wall seconds, its printed dict)."""
+LIGHT = """
+import json, time
+c0, t0 = time.process_time(), time.perf_counter()
+import torch
+c1, t1 = time.process_time(), time.perf_counter()
+x = torch.randn(16)
+{call}
+c2, t2 = time.process_time(), time.perf_counter()
+print(json.dumps({{"wall_s": t2 - t1, "cpu_s": c2 - c1, "torch_s": t1 - t0}}))
+"""
+LIGHT_CALL = "import opbuilder.ops as ops\nops.{op}(*[x] * {arity})"
+
+
+def run(code: str, cache: Path, checkout: Path | None = None) -> tuple[float, dict]:
+    """Runs ``code`` in a fresh interpreter with OPB_CACHE_DIR=cache (and ``checkout`` first on the path,
+    as its working folder); returns (wall seconds, its printed dict)."""
     env = dict(os.environ, OPB_CACHE_DIR=str(cache))
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
+                          cwd=checkout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"child process failed ({proc.returncode}):\n{proc.stderr.strip()[-3000:]}")
@@ -86,13 +111,58 @@ def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
 
+def spread_ms(values: list[float]) -> str:
+    return f"{min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}"
+
+
+def light(op: str, repeats: int, checkouts: list[Path], cache: Path) -> dict:
+    """The light-first-call measure (see the module docstring) of each checkout, interleaved."""
+    call = LIGHT.format(call=LIGHT_CALL.format(op=op, arity=1))
+    for checkout in checkouts:  # builds the op if needed and keeps the key's memo; not timed
+        for _ in range(2):
+            run(call, cache, checkout)
+    base: list[dict] = []
+    runs: dict[str, list[dict]] = {str(c): [] for c in checkouts}
+    for k in range(repeats):
+        base.append(run(LIGHT.format(call=""), cache)[1])
+        for checkout in checkouts:
+            runs[str(checkout)].append(run(call, cache, checkout)[1])
+        print(f"  [{k + 1}/{repeats}]", flush=True)
+    out = {"op": op, "repeats": repeats, "import_torch_ms": median_ms([b["torch_s"] for b in base]),
+           "baseline_after_torch_ms": median_ms([b["wall_s"] for b in base]), "checkouts": {}}
+    print(f"light first call of {op} after `import torch` (median of {repeats} fresh processes, spread min-max; "
+          f"`x = torch.randn(16)` alone: {out['baseline_after_torch_ms']:.2f} ms; import torch "
+          f"{out['import_torch_ms']:.0f} ms):")
+    for name, samples in runs.items():
+        wall, cpu = [s["wall_s"] for s in samples], [s["cpu_s"] for s in samples]
+        over = median_ms(wall) - out["baseline_after_torch_ms"]
+        out["checkouts"][name] = {"wall_ms": median_ms(wall), "over_torch_ms": over, "cpu_ms": median_ms(cpu),
+                                  "wall_spread_ms": spread_ms(wall), "cpu_spread_ms": spread_ms(cpu),
+                                  "samples_s": samples}
+        print(f"  {name}: {over:.1f} ms over import torch (wall {median_ms(wall):.1f} ms, {spread_ms(wall)}; "
+              f"CPU {median_ms(cpu):.1f} ms, {spread_ms(cpu)}); target <= 15")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="relu")
-    p.add_argument("--repeats", type=int, default=15, help="fresh processes for each warm measurement")
+    p.add_argument("--repeats", type=int, default=None, help="fresh processes for each warm measurement (15; --light: 7)")
     p.add_argument("--cold-repeats", type=int, default=1, help="cold builds, each into a new empty cache")
+    p.add_argument("--light", nargs="*", type=Path, metavar="DIR",
+                   help="only the light first call, of this checkout and of each DIR (other checkouts)")
     p.add_argument("--json", type=Path, help="write the numbers to this file")
     args = p.parse_args(argv)
+    if args.light is not None:
+        with tempfile.TemporaryDirectory(prefix="opb-light-") as tmp:
+            cache = Path(os.environ.get("OPB_CACHE_DIR") or tmp)
+            checkouts = [Path(__file__).resolve().parent.parent] + [d.resolve() for d in args.light]
+            result = light(args.op, args.repeats or 7, checkouts, cache)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
+    args.repeats = args.repeats or 15
 
     import torch
 

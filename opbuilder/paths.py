@@ -16,6 +16,8 @@ The cache, under ``root()`` (``OPB_CACHE_DIR``, see ``opbuilder.env.cache_root``
     <op>/.tmp-<key>-<pid>-*/             a build in progress (or a replaced one on its way out); never loaded,
                                          removed when its builder is gone
     <op>/discovered.json                 headers an earlier build read that no include path predicted (part of the key)
+    <op>/keymemo-<uid>.json              what the key last read of each file (sha256, includes) and the file's status,
+                                         so a warm load stats the files instead of hashing them (one per user, 0600)
     .work/<op>-<hash>/                   one op's objects for one set of flags and compilers, kept across keys:
         src/                             the sources as the build compiled them (a snapshot)
         gen/                             generated translation units (the namespace)
@@ -33,6 +35,7 @@ Nothing here touches the disk or imports torch; the cache's own rules (modes, tr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from opbuilder import env
@@ -86,6 +89,11 @@ def failure_log(op: str, key: str) -> Path:
 
 def discovered(op: str) -> Path:
     return op_dir(op) / "discovered.json"
+
+
+def key_memo(op: str) -> Path:
+    """``opbuilder.jit.fingerprint.FileMemo``'s file for ``op``, this user's own."""
+    return op_dir(op) / f"keymemo-{os.getuid()}.json"
 
 
 def work_root() -> Path:

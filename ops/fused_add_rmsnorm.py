@@ -24,16 +24,19 @@ take one dtype only.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, randn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
+
+if TYPE_CHECKING:
+    from opbuilder.dispatch.record import Cost, Record, Shape
 
 #: The default eps (the Llama models').
 EPS = 1e-6
@@ -339,11 +342,15 @@ def _extras(shape: Shape) -> dict:
 
 
 def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
+    from opbuilder.dispatch.record import randn
+
     # input, residual: [rows, hidden]; weight: [hidden]
     return [randn(shape, dtype, device, gen), randn(shape, dtype, device, gen), randn(shape[-1:], dtype, device, gen)]
 
 
 def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    from opbuilder.dispatch.record import Cost
+
     n, hidden = math.prod(shape), shape[-1]
     return Cost(bytes=((8 * n + 3 * hidden) if with_backward else (4 * n + hidden)) * elem)
 
@@ -351,29 +358,34 @@ def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
 _ROWS = ("rows", "hidden")
 _BF16 = torch.bfloat16
 
-RECORD = Record(
-    name="fused_add_rmsnorm",
-    function=fused_add_rmsnorm,
-    axes=_ROWS,
-    inputs={"input": TensorSpec(_ROWS), "residual": TensorSpec(_ROWS), "weight": TensorSpec(("hidden",))},
-    outputs={"out": TensorSpec(_ROWS), "residual_out": TensorSpec(_ROWS)},
-    reference=reference,
-    make_inputs=_inputs,
-    reduction=lambda shape: shape[-1],
-    workloads=Workloads(cpu=(((4096, 4096), torch.float32),),
-                        cuda=(((32768, 4096), _BF16), ((4096, 4096), _BF16), ((128, 4096), _BF16)),
-                        cuda_backward=(((32768, 4096), _BF16),), host=(1, 16)),
-    bench=Bench(
-        ranks=(2,),
-        shape_help="ROWSxHIDDEN (2 dims)",
-        call_ours=lambda f: lambda input, residual, weight: f(input, residual, weight, EPS),
-        cost=_cost,
-        cost_model="read input, residual, weight; write out, residual_out: (4 x rows x hidden + hidden) x bytes",
-        cost_model_backward=(
-            "forward 4; backward reads grad_out, grad_residual_out, residual_out, writes one grad for input and "
-            "residual (they are equal): (8 x rows x hidden + 3 x hidden) x bytes"
+def record() -> Record:
+    """This op's record; made at its first use (``opbuilder.jit.registry.record``): importing the op
+    and calling it need none of it."""
+    from opbuilder.dispatch.record import Bench, Host, Record, TensorSpec, Workloads
+
+    return Record(
+        name="fused_add_rmsnorm",
+        function=fused_add_rmsnorm,
+        axes=_ROWS,
+        inputs={"input": TensorSpec(_ROWS), "residual": TensorSpec(_ROWS), "weight": TensorSpec(("hidden",))},
+        outputs={"out": TensorSpec(_ROWS), "residual_out": TensorSpec(_ROWS)},
+        reference=reference,
+        make_inputs=_inputs,
+        reduction=lambda shape: shape[-1],
+        workloads=Workloads(cpu=(((4096, 4096), torch.float32),),
+                            cuda=(((32768, 4096), _BF16), ((4096, 4096), _BF16), ((128, 4096), _BF16)),
+                            cuda_backward=(((32768, 4096), _BF16),), host=(1, 16)),
+        bench=Bench(
+            ranks=(2,),
+            shape_help="ROWSxHIDDEN (2 dims)",
+            call_ours=lambda f: lambda input, residual, weight: f(input, residual, weight, EPS),
+            cost=_cost,
+            cost_model="read input, residual, weight; write out, residual_out: (4 x rows x hidden + hidden) x bytes",
+            cost_model_backward=(
+                "forward 4; backward reads grad_out, grad_residual_out, residual_out, writes one grad for input and "
+                "residual (they are equal): (8 x rows x hidden + 3 x hidden) x bytes"
+            ),
+            extras=_extras,
         ),
-        extras=_extras,
-    ),
-    host=Host("x + r, F.rms_norm", _unfused, 1.0, op="fused_add_rmsnorm_op", extra=(EPS,)),
-)
+        host=Host("x + r, F.rms_norm", _unfused, 1.0, op="fused_add_rmsnorm_op", extra=(EPS,)),
+    )

@@ -12,15 +12,18 @@ whatever cuBLASLt's ReLU epilogue makes of it (not pinned down by a test).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workload, Workloads, randn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
+
+if TYPE_CHECKING:
+    from opbuilder.dispatch.record import Cost, Record, Shape
 
 _OP = "fused_matmul_add_relu"
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -255,6 +258,8 @@ def reference(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def _inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> list[torch.Tensor]:
+    from opbuilder.dispatch.record import randn
+
     # BxMxKxN: lhs [B, M, K], rhs [B, K, N], bias [B, M, N].  MxKxN: lhs [M, K], rhs [K, N], bias [N].
     # lhs is scaled by 1/sqrt(K) so that the product and the bias are of one size and ReLU cuts about half.
     if len(shape) == 4:
@@ -277,34 +282,41 @@ def _extras(shape: Shape) -> dict:
 
 
 def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    from opbuilder.dispatch.record import Cost
+
     b, m, k, n = shape if len(shape) == 4 else (1, *shape)
     return Cost(flops=(6 if with_backward else 2) * b * m * k * n)
 
 
 _BF16 = torch.bfloat16
 
-RECORD = Record(
-    name=_OP,
-    function=fused_matmul_add_relu,
-    axes=("M", "K", "N"),
-    inputs={"lhs": TensorSpec(("...", "M", "K")), "rhs": TensorSpec(("...", "K", "N")), "bias": TensorSpec(("...", "N"))},
-    outputs={"y": TensorSpec(("...", "M", "N"))},
-    reference=reference,
-    make_inputs=_inputs,
-    reduction=lambda shape: shape[-2],  # K
-    edges=(Workload("one row", (1, 64, 48), edge=True), Workload("odd widths", (7, 111, 13), edge=True),
-           Workload("empty", (0, 64, 48), edge=True)),
-    workloads=Workloads(cpu=(((1, 4096, 4096, 4096), torch.float32),),
-                        cuda=(((1, 4096, 4096, 4096), _BF16), ((8, 2048, 2048, 2048), _BF16), ((4096, 4096, 4096), _BF16)),
-                        cuda_backward=(((1, 4096, 4096, 4096), _BF16),), host=(4, 4, 4)),
-    bench=Bench(
-        ranks=(3, 4),
-        shape_help="BxMxKxN (batched, full-shape bias [B, M, N]) or MxKxN (2-D, vector bias [N])",
-        call_ours=lambda f: f,
-        cost=_cost,
-        cost_model="FLOPs 2 x B x M x N x K (the add and ReLU are not counted)",
-        cost_model_backward="FLOPs 6 x B x M x N x K (forward, grad_lhs, grad_rhs)",
-        extras=_extras,
-    ),
-    host=Host("torch.relu(a @ b + c)", lambda a, b, c: torch.relu(a @ b + c), 1.0, op="fused_matmul_add_relu_op"),
-)
+def record() -> Record:
+    """This op's record; made at its first use (``opbuilder.jit.registry.record``): importing the op
+    and calling it need none of it."""
+    from opbuilder.dispatch.record import Bench, Host, Record, TensorSpec, Workload, Workloads
+
+    return Record(
+        name=_OP,
+        function=fused_matmul_add_relu,
+        axes=("M", "K", "N"),
+        inputs={"lhs": TensorSpec(("...", "M", "K")), "rhs": TensorSpec(("...", "K", "N")), "bias": TensorSpec(("...", "N"))},
+        outputs={"y": TensorSpec(("...", "M", "N"))},
+        reference=reference,
+        make_inputs=_inputs,
+        reduction=lambda shape: shape[-2],  # K
+        edges=(Workload("one row", (1, 64, 48), edge=True), Workload("odd widths", (7, 111, 13), edge=True),
+               Workload("empty", (0, 64, 48), edge=True)),
+        workloads=Workloads(cpu=(((1, 4096, 4096, 4096), torch.float32),),
+                            cuda=(((1, 4096, 4096, 4096), _BF16), ((8, 2048, 2048, 2048), _BF16), ((4096, 4096, 4096), _BF16)),
+                            cuda_backward=(((1, 4096, 4096, 4096), _BF16),), host=(4, 4, 4)),
+        bench=Bench(
+            ranks=(3, 4),
+            shape_help="BxMxKxN (batched, full-shape bias [B, M, N]) or MxKxN (2-D, vector bias [N])",
+            call_ours=lambda f: f,
+            cost=_cost,
+            cost_model="FLOPs 2 x B x M x N x K (the add and ReLU are not counted)",
+            cost_model_backward="FLOPs 6 x B x M x N x K (forward, grad_lhs, grad_rhs)",
+            extras=_extras,
+        ),
+        host=Host("torch.relu(a @ b + c)", lambda a, b, c: torch.relu(a @ b + c), 1.0, op="fused_matmul_add_relu_op"),
+    )

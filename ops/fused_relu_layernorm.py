@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, rows_hidden
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
+
+if TYPE_CHECKING:
+    from opbuilder.dispatch.record import Cost, Record, Shape
 
 _OP = "fused_relu_layernorm"
 #: The default eps, torch.nn.LayerNorm's.
@@ -231,6 +234,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.T
 
 
 def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    from opbuilder.dispatch.record import Cost
+
     n, hidden = math.prod(shape), shape[-1]
     return Cost(bytes=((5 * n + 5 * hidden) if with_backward else (2 * n + 2 * hidden)) * elem)
 
@@ -242,27 +247,32 @@ def _unfused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch
 _ROWS = ("rows", "hidden")
 _BF16 = torch.bfloat16
 
-RECORD = Record(
-    name=_OP,
-    function=fused_relu_layernorm,
-    axes=_ROWS,
-    inputs={"x": TensorSpec(_ROWS), "weight": TensorSpec(("hidden",)), "bias": TensorSpec(("hidden",))},
-    outputs={"y": TensorSpec(_ROWS)},
-    reference=reference,
-    make_inputs=rows_hidden(params=2),
-    reduction=lambda shape: shape[-1],
-    workloads=Workloads(cpu=(((4096, 4096), torch.float32),), cuda=(((32768, 4096), _BF16), ((4096, 768), _BF16)),
-                        cuda_backward=(((32768, 4096), _BF16),), host=(1, 16)),
-    bench=Bench(
-        ranks=(2,),
-        shape_help="ROWSxHIDDEN (2 dims)",
-        call_ours=lambda f: lambda x, weight, bias: f(x, weight, bias, EPS),
-        cost=_cost,
-        cost_model="read x, weight, bias; write y: (2 x rows x hidden + 2 x hidden) x bytes",
-        cost_model_backward=(
-            "forward 2; backward reads grad_y, x, weight, writes grad_x, grad_weight, grad_bias: "
-            "(5 x rows x hidden + 5 x hidden) x bytes"
+def record() -> Record:
+    """This op's record; made at its first use (``opbuilder.jit.registry.record``): importing the op
+    and calling it need none of it."""
+    from opbuilder.dispatch.record import Bench, Host, Record, TensorSpec, Workloads, rows_hidden
+
+    return Record(
+        name=_OP,
+        function=fused_relu_layernorm,
+        axes=_ROWS,
+        inputs={"x": TensorSpec(_ROWS), "weight": TensorSpec(("hidden",)), "bias": TensorSpec(("hidden",))},
+        outputs={"y": TensorSpec(_ROWS)},
+        reference=reference,
+        make_inputs=rows_hidden(params=2),
+        reduction=lambda shape: shape[-1],
+        workloads=Workloads(cpu=(((4096, 4096), torch.float32),), cuda=(((32768, 4096), _BF16), ((4096, 768), _BF16)),
+                            cuda_backward=(((32768, 4096), _BF16),), host=(1, 16)),
+        bench=Bench(
+            ranks=(2,),
+            shape_help="ROWSxHIDDEN (2 dims)",
+            call_ours=lambda f: lambda x, weight, bias: f(x, weight, bias, EPS),
+            cost=_cost,
+            cost_model="read x, weight, bias; write y: (2 x rows x hidden + 2 x hidden) x bytes",
+            cost_model_backward=(
+                "forward 2; backward reads grad_y, x, weight, writes grad_x, grad_weight, grad_bias: "
+                "(5 x rows x hidden + 5 x hidden) x bytes"
+            ),
         ),
-    ),
-    host=Host("F.layer_norm(torch.relu(x))", _unfused, 1.0, op="fused_relu_layernorm_op", extra=(EPS,), first=True),
-)
+        host=Host("F.layer_norm(torch.relu(x))", _unfused, 1.0, op="fused_relu_layernorm_op", extra=(EPS,), first=True),
+    )

@@ -7,15 +7,18 @@ where y <= 0: all the backward needs), and the backward reads those bits instead
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, rows_hidden
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
+
+if TYPE_CHECKING:
+    from opbuilder.dispatch.record import Cost, Record, Shape
 
 
 def mask_words(numel: int, dtype: torch.dtype) -> int:
@@ -154,32 +157,39 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    from opbuilder.dispatch.record import Cost
+
     n = math.prod(shape)
     return Cost(bytes=4 * n * elem + (n + 3) // 4 if with_backward else 2 * n * elem)
 
 
 _ROWS = ("rows", "hidden")
 
-RECORD = Record(
-    name="relu",
-    function=relu,
-    axes=_ROWS,
-    inputs={"x": TensorSpec(_ROWS)},
-    outputs={"y": TensorSpec(_ROWS)},
-    reference=reference,
-    make_inputs=rows_hidden(params=0),
-    workloads=Workloads(cpu=(((4096, 4096), torch.float32),), cuda=(((32768, 8192), torch.float32),),
-                        cuda_backward=(((32768, 8192), torch.float32),), host=(16,)),
-    bench=Bench(
-        ranks=(1, 2, 3, 4),
-        shape_help="any shape, e.g. ROWSxCOLS",
-        call_ours=lambda f: f,
-        cost=_cost,
-        cost_model="read x, write y: 2 x numel x bytes",
-        cost_model_backward=(
-            "forward reads x, writes y and 1 bit per element (the sign, all the backward needs); backward reads "
-            "grad_y and the bits, writes grad_x: 4 x numel x bytes + numel / 4"
+def record() -> Record:
+    """This op's record; made at its first use (``opbuilder.jit.registry.record``): importing the op
+    and calling it need none of it."""
+    from opbuilder.dispatch.record import Bench, Host, Record, TensorSpec, Workloads, rows_hidden
+
+    return Record(
+        name="relu",
+        function=relu,
+        axes=_ROWS,
+        inputs={"x": TensorSpec(_ROWS)},
+        outputs={"y": TensorSpec(_ROWS)},
+        reference=reference,
+        make_inputs=rows_hidden(params=0),
+        workloads=Workloads(cpu=(((4096, 4096), torch.float32),), cuda=(((32768, 8192), torch.float32),),
+                            cuda_backward=(((32768, 8192), torch.float32),), host=(16,)),
+        bench=Bench(
+            ranks=(1, 2, 3, 4),
+            shape_help="any shape, e.g. ROWSxCOLS",
+            call_ours=lambda f: f,
+            cost=_cost,
+            cost_model="read x, write y: 2 x numel x bytes",
+            cost_model_backward=(
+                "forward reads x, writes y and 1 bit per element (the sign, all the backward needs); backward reads "
+                "grad_y and the bits, writes grad_x: 4 x numel x bytes + numel / 4"
+            ),
         ),
-    ),
-    host=Host("torch.relu", torch.relu, 2.5, op="relu_op", grad_op="relu_mask_op", grad_first=True, step_limit=2.0),
-)
+        host=Host("torch.relu", torch.relu, 2.5, op="relu_op", grad_op="relu_mask_op", grad_first=True, step_limit=2.0),
+    )

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from opbuilder.dispatch.record import Bench, Cost, Host, Record, Shape, TensorSpec, Workloads, rows_hidden
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder.torchop import eager, sharding
 from opbuilder.torchop.lazy import LazyOps
+
+if TYPE_CHECKING:
+    from opbuilder.dispatch.record import Cost, Record, Shape
 
 _OP = "softmax"
 
@@ -162,34 +165,41 @@ def reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def _cost(shape: Shape, elem: int, with_backward: bool) -> Cost:
+    from opbuilder.dispatch.record import Cost
+
     return Cost(bytes=(5 if with_backward else 2) * math.prod(shape) * elem)
 
 
 _ROWS = ("rows", "hidden")
 _F32, _BF16 = torch.float32, torch.bfloat16
 
-RECORD = Record(
-    name=_OP,
-    function=softmax,
-    axes=_ROWS,
-    inputs={"x": TensorSpec(_ROWS)},
-    outputs={"y": TensorSpec(_ROWS)},
-    reference=reference,
-    make_inputs=rows_hidden(params=0),
-    reduction=lambda shape: shape[-1],
-    workloads=Workloads(
-        cpu=(((4096, 4096), _F32),),
-        cuda=(((4096, 4096), _F32), ((4096, 4096), _BF16), ((16384, 32768), _F32), ((16384, 32768), _BF16)),
-        cuda_backward=(((32768, 4096), _BF16),),
-        host=(1, 16),
-    ),
-    bench=Bench(
-        ranks=(2,),
-        shape_help="ROWSxHIDDEN (2 dims)",
-        call_ours=lambda f: lambda x: f(x, dim=-1),
-        cost=_cost,
-        cost_model="read x, write y: 2 x rows x hidden x bytes",
-        cost_model_backward="forward 2; backward reads grad_y and y, writes grad_x: 5 x rows x hidden x bytes",
-    ),
-    host=Host("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, op="forward_op", step_limit=2.0),
-)
+def record() -> Record:
+    """This op's record; made at its first use (``opbuilder.jit.registry.record``): importing the op
+    and calling it need none of it."""
+    from opbuilder.dispatch.record import Bench, Host, Record, TensorSpec, Workloads, rows_hidden
+
+    return Record(
+        name=_OP,
+        function=softmax,
+        axes=_ROWS,
+        inputs={"x": TensorSpec(_ROWS)},
+        outputs={"y": TensorSpec(_ROWS)},
+        reference=reference,
+        make_inputs=rows_hidden(params=0),
+        reduction=lambda shape: shape[-1],
+        workloads=Workloads(
+            cpu=(((4096, 4096), _F32),),
+            cuda=(((4096, 4096), _F32), ((4096, 4096), _BF16), ((16384, 32768), _F32), ((16384, 32768), _BF16)),
+            cuda_backward=(((32768, 4096), _BF16),),
+            host=(1, 16),
+        ),
+        bench=Bench(
+            ranks=(2,),
+            shape_help="ROWSxHIDDEN (2 dims)",
+            call_ours=lambda f: lambda x: f(x, dim=-1),
+            cost=_cost,
+            cost_model="read x, write y: 2 x rows x hidden x bytes",
+            cost_model_backward="forward 2; backward reads grad_y and y, writes grad_x: 5 x rows x hidden x bytes",
+        ),
+        host=Host("torch.softmax", lambda x: torch.softmax(x, -1), 2.5, op="forward_op", step_limit=2.0),
+    )

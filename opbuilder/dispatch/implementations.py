@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opbuilder.dispatch.routes import bypass
+from opbuilder.dispatch.routes import COMPILED, LISTED, bypass
 from opbuilder.jit import registry
 from opbuilder.jit.builder import OpBuilder
 
@@ -161,11 +161,8 @@ def public_function(op: str) -> Callable[..., Any]:
     return registry.record(op).function
 
 
-_BUILTINS_ADDED: set[str] = set()
-
-
 def _builtin_added(op: str) -> bool:
-    return op not in registry.BUILDERS or op in _BUILTINS_ADDED
+    return op not in registry.BUILDERS or op in LISTED
 
 
 def _add_builtin(op: str) -> None:
@@ -174,7 +171,7 @@ def _add_builtin(op: str) -> None:
     from opbuilder.dispatch import definitions
     from opbuilder.torchop import lazy
 
-    _BUILTINS_ADDED.add(op)
+    LISTED.add(op)
     ref = definitions.get(op).reference
     public = public_function(op)
 
@@ -183,7 +180,7 @@ def _add_builtin(op: str) -> None:
             return public(*args, **kwargs)
 
     builtin = {
-        "compiled": Implementation("compiled", "compiled", ours, lambda: registry.get_builder(op).key,
+        COMPILED: Implementation(COMPILED, "compiled", ours, lambda: registry.get_builder(op).key,
                                    lambda: lazy.namespace_of(op) and None, in_body=True),
         "torch.compile": torch_compiled(ref),
         "reference": reference(ref),

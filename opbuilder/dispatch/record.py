@@ -1,6 +1,7 @@
 """One record per built-in op: everything known about it, declared once, beside its public function.
 
-Each ``opbuilder/ops/<op>.py`` ends with ``RECORD = Record(...)``: the op's signature (axes, inputs,
+Each ``opbuilder/ops/<op>.py`` ends with ``def record() -> Record``, made at its first use
+(``opbuilder.jit.registry.record``; importing and calling the op need none of it): the op's signature (axes, inputs,
 outputs), its float64-checkable reference, its tolerances (a per-dtype table, widened with the reduction's
 length), its workloads (the shapes checked and timed on each device, and the host-overhead shape), its
 public function, and what the benchmark shows beside it (the least a call must cost, other eager

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opbuilder import env
-from opbuilder.dispatch.routes import ROUTES
+from opbuilder.dispatch.routes import COMPILED, LISTED, ROUTES
 from opbuilder.errors import FallbackWarning
 from opbuilder.jit.registry import BUILDERS
 
@@ -143,7 +143,7 @@ def resolve(op: str) -> bool:
 
 
 def _resolve(op: str) -> bool:
-    from opbuilder.dispatch import implementations, trace
+    from opbuilder.dispatch import trace
 
     r = _ROUTERS[op]
     if r.table is not None:
@@ -151,8 +151,27 @@ def _resolve(op: str) -> bool:
             ROUTES.pop(op, None)
             r.leave_later = False
         return op in ROUTES or op not in BUILDERS
-    impls = {i.name: i for i in implementations.of(op)}
     failed: dict[str, BaseException] = {}
+    if op in BUILDERS and op not in LISTED and not trace.any_for(op):
+        # The usual first call: no trace, and no implementation registered beside the op's own three, so
+        # the choice is our compiled op, the first of them: loaded here without making the others (the
+        # whole table below, when it cannot load).
+        from opbuilder.torchop import lazy
+
+        try:
+            lazy.namespace_of(op)
+        except Exception as exc:
+            if not env.fallback():
+                raise
+            failed[COMPILED] = exc
+        else:
+            r.picks, r.default_name, r.default, r.table = {}, COMPILED, _continue, {}
+            _leave(op, r)
+            return False
+
+    from opbuilder.dispatch import implementations
+
+    impls = {i.name: i for i in implementations.of(op)}
 
     def usable(name: str) -> bool:
         impl = impls[name]
@@ -209,14 +228,18 @@ def _resolve(op: str) -> bool:
     r.table = {key: (_continue if impls[name].in_body else impls[name].fn) if name in impls else r.final
                for key, name in picks.items()}
     if op in BUILDERS and not picks and default is _continue:
-        # The direct path: today's call plus one dict lookup. While Dynamo traces, the op stays in ROUTES
-        # (its router sends the call to the body all the same): the guards made after the trace read it.
-        if _tracing():
-            r.leave_later = True
-        else:
-            ROUTES.pop(op, None)
+        _leave(op, r)
         return False
     return True
+
+
+def _leave(op: str, r: Router) -> None:
+    """The direct path: today's call plus one dict lookup. While Dynamo traces, the op stays in ROUTES
+    (its router sends the call to the body all the same): the guards made after the trace read it."""
+    if _tracing():
+        r.leave_later = True
+    else:
+        ROUTES.pop(op, None)
 
 
 def _callers_level() -> int:

@@ -11,6 +11,11 @@ from typing import Any
 
 #: Built-in op -> its ``Router``, while the op is routed (or not yet resolved).
 ROUTES: dict[str, Any] = {}
+#: Built-in ops whose implementations were listed or registered in code (``opbuilder.dispatch.implementations``):
+#: their first call resolves through the whole table, not the direct path alone.
+LISTED: set[str] = set()
+#: The name of a built-in op's own compiled implementation, the first of its implementations.
+COMPILED = "compiled"
 
 
 @contextlib.contextmanager

@@ -27,22 +27,24 @@ import shutil
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opbuilder import env, paths
 from opbuilder.errors import BuildError, CacheError, CacheLockTimeout, IncompatibleOpError, SourcesChanged
-from opbuilder.jit import cache, loader, prebuilt, toolchain
+from opbuilder.jit import cache, loader, toolchain
 from opbuilder.jit.log import say
+
+if TYPE_CHECKING:
+    from opbuilder.jit import prebuilt
 
 __all__ = ["BuildSpec", "Built", "Ready", "SourcesChanged", "build_and_load", "ensure_built", "extension", "say"]
 
 
-@dataclass
-class BuildSpec:
-    """Everything one build needs; produced by ``OpBuilder.build_spec()`` and not changed afterwards."""
+class BuildSpec(NamedTuple):
+    """Everything one build needs; produced by ``OpBuilder.build_spec()`` and not changed afterwards (a
+    NamedTuple, as the two below: a dataclass costs a millisecond to make at import, on every warm path)."""
 
     op: str
     key: str
@@ -56,21 +58,20 @@ class BuildSpec:
     ldflags: list[str]
     with_cuda: bool
     archs: list[str]
-    inputs: dict[str, Any] = field(default_factory=dict)
-    project_files: list[str] = field(default_factory=list)  # sources and the headers they include
-    digest_roots: list[str] = field(default_factory=list)  # how inputs["files"] names them
+    inputs: dict[str, Any] = {}  # a default shared by the specs that take it: never changed, as every field
+    project_files: list[str] = []  # sources and the headers they include
+    digest_roots: list[str] = []  # how inputs["files"] names them
     reason: str | None = None  # why this build happens, when the caller knows
     skipped: str | None = None  # sources left out of this build and why ("kernel.cu: torch was built without CUDA")
     #: an install-time build to try first (built-in ops only)
     prebuilt: prebuilt.Wanted | None = None
     #: why the op cannot be built here (empty when it can); asked only when the cache has no build
-    incompatible: Callable[[], list[str]] = field(default=lambda: [], repr=False)
+    incompatible: Callable[[], list[str]] = lambda: []
     #: the spec again from the files as they are now (they changed during the build); None: not possible
-    rekey: Callable[[], BuildSpec] | None = field(default=None, repr=False)
+    rekey: Callable[[], BuildSpec] | None = None
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(NamedTuple):
     """What ``build_and_load(spec, load=False)`` found or did: ``how`` is "prebuilt", "cached" or "built"."""
 
     how: str
@@ -99,8 +100,10 @@ def build_and_load(spec: BuildSpec, load: bool = True) -> Any:
 
 
 def _sequence(spec: BuildSpec, load: bool) -> Any:
-    # 1. prebuilt
+    # 1. prebuilt (a module imported only where there is one to look at)
     if spec.prebuilt is not None:
+        from opbuilder.jit import prebuilt
+
         if load:
             handle = prebuilt.load(spec.prebuilt)
             if handle is not None:
@@ -192,8 +195,7 @@ def _demangle(symbol: str) -> str:
     return out.stdout.strip() or symbol
 
 
-@dataclass(frozen=True)
-class Built:
+class Built(NamedTuple):
     """A good build of a key: its folder, its library and its manifest (as checked)."""
 
     path: Path

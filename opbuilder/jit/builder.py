@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from opbuilder import env
 from opbuilder.errors import IncompatibleOpError
-from opbuilder.jit import fingerprint, prebuilt, toolchain
-from opbuilder.paths import INCLUDE_DIR
+from opbuilder.jit import fingerprint, toolchain
+from opbuilder.paths import INCLUDE_DIR, key_memo
 
 if TYPE_CHECKING:
+    from opbuilder.jit import prebuilt
     from opbuilder.jit.build import BuildSpec
 
 log = logging.getLogger("opbuilder")
@@ -29,9 +30,7 @@ log = logging.getLogger("opbuilder")
 CUDA_SUFFIXES = (".cu",)
 
 # What marks a source as written on the stable ABI, and what ties it to one torch build.
-_STABLE_MARKERS = (b"opbuilder/stable.h", b"torch/csrc/stable/")
-_CLASSIC_MARKERS = (b"torch/extension.h", b"torch/library.h", b"<ATen/", b"<c10/core", b"PYBIND11_MODULE",
-                    b"opbuilder/binding.h")
+_STABLE_MARKERS, _CLASSIC_MARKERS = fingerprint.STABLE_MARKERS, fingerprint.CLASSIC_MARKERS
 
 # An op's name becomes a folder of the cache and part of a C++ and torch.ops namespace.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -187,14 +186,21 @@ class OpBuilder:
 
     def file_digests(self, with_cuda: bool = True) -> dict[str, str]:
         """sha256 of each source a build compiles and of every project header they include."""
-        return fingerprint.digest_files(self._project_files(with_cuda), self.digest_roots())
+        return fingerprint.digest_files(self._project_files(with_cuda), self.digest_roots(), self._file_memo)
 
     def _project_files(self, with_cuda: bool) -> list[Path]:
         """The sources a build compiles and the project headers they include, found once per builder object."""
         found = self._project_files_of
         if with_cuda not in found:
-            found[with_cuda] = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs())
+            found[with_cuda] = fingerprint.project_files(self.built_sources(with_cuda), self._include_dirs(),
+                                                         self._file_memo)
         return found[with_cuda]
+
+    @cached_property
+    def _file_memo(self) -> fingerprint.FileMemo:
+        """Where the key reads the op's files: each is read and hashed once per builder object, and not at
+        all while the cache's memo of it holds (``fingerprint.FileMemo``; not after ``refresh(rehash=True)``)."""
+        return fingerprint.FileMemo(key_memo(self.name), trust=not self.__dict__.pop("_rehash", False))
 
     @cached_property
     def _project_files_of(self) -> dict[bool, list[Path]]:
@@ -337,16 +343,15 @@ class OpBuilder:
 
     @cached_property
     def _detected_abi(self) -> str:
-        texts = []
-        for path in fingerprint.project_files(self.all_sources(), self._include_dirs()):
+        found: set[bytes] = set()
+        memo = self._file_memo
+        for path in fingerprint.project_files(self.all_sources(), self._include_dirs(), memo):
             if path.is_relative_to(INCLUDE_DIR):  # opbuilder's own headers serve both kinds
                 continue
-            try:
-                texts.append(path.read_bytes())
-            except OSError:
-                continue
-        stable = any(marker in text for text in texts for marker in _STABLE_MARKERS)
-        classic = any(marker in text for text in texts for marker in _CLASSIC_MARKERS)
+            facts = memo.facts(str(path))
+            found |= facts.markers if facts is not None else set()
+        stable = any(marker in found for marker in _STABLE_MARKERS)
+        classic = any(marker in found for marker in _CLASSIC_MARKERS)
         if stable and classic:
             # Both kinds of include are written, as in ``#if ...`` stable ``#else`` classic ``#endif`` (Hugging
             # Face kernel-builder's registration.h): ask the preprocessor which branch the op's flags take.
@@ -376,7 +381,8 @@ class OpBuilder:
     def is_python_module(self) -> bool:
         if self.PYTHON_MODULE is not None:
             return self.PYTHON_MODULE
-        return any(p.is_file() and b"PYBIND11_MODULE" in p.read_bytes() for p in self.all_sources())
+        return any(b"PYBIND11_MODULE" in facts.markers for p in self.all_sources()
+                   if (facts := self._file_memo.facts(str(p))) is not None)
 
     def _include_dirs(self) -> list[Path]:
         return self._resolve(self.include_paths()) + [INCLUDE_DIR]
@@ -390,6 +396,10 @@ class OpBuilder:
 
     @cached_property
     def _key_inputs(self) -> dict[str, Any]:
+        with toolchain.one_lookup():
+            return self._worked_out_key_inputs()
+
+    def _worked_out_key_inputs(self) -> dict[str, Any]:
         with_cuda = self.with_cuda()
         cxx_args = self.final_cxx_args()
         cxx = toolchain.cxx_path()
@@ -421,7 +431,8 @@ class OpBuilder:
         # their contents are part of the key too (see ``opbuilder.jit.compile``).
         extra = fingerprint.discovered_files(self.name)
         if extra:
-            inputs["discovered"] = fingerprint.digest_files([Path(p) for p in extra], [])
+            inputs["discovered"] = fingerprint.digest_files([Path(p) for p in extra], [], self._file_memo)
+        self._file_memo.save()
         return inputs
 
     @cached_property
@@ -448,7 +459,7 @@ class OpBuilder:
             return reasons
 
         def rekey() -> BuildSpec:
-            self.refresh()
+            self.refresh(rehash=True)  # a file changed during the build: read every file again
             return self.build_spec(verbose)
 
         return build.BuildSpec(
@@ -480,12 +491,16 @@ class OpBuilder:
             return None
         return f"{', '.join(cuda)}: {self.cuda_skip_reason()}"
 
-    _CACHED = ("_key_inputs", "key", "_all_sources", "_detected_abi", "_stable_target", "_project_files_of")
+    _CACHED = ("_key_inputs", "key", "_all_sources", "_detected_abi", "_stable_target", "_project_files_of",
+               "_file_memo")
 
-    def refresh(self) -> None:
-        """Forget the key worked out so far: the next ``key`` reads the files again."""
+    def refresh(self, rehash: bool = False) -> None:
+        """Forget the key worked out so far: the next ``key`` stats the files again (and reads those whose
+        status changed; ``rehash``: reads every one, whatever the cache's memo says)."""
         for name in self._CACHED:
             self.__dict__.pop(name, None)
+        if rehash:
+            self.__dict__["_rehash"] = True
 
     def load(self, verbose: bool = False) -> Any:
         """The op, compiled on first use: a ``torch.ops`` namespace for ``TORCH_LIBRARY`` builds,
@@ -510,6 +525,8 @@ class OpBuilder:
 
     def prebuilt_requirements(self) -> dict[str, Any]:
         """What a prebuilt library of this op must have been built with to run in this process."""
+        from opbuilder.jit import prebuilt
+
         stable = self.abi() == "stable"
         return prebuilt.requirements(
             op=self.name, version=self.VERSION, python_module=self.is_python_module(), stable=stable,
@@ -528,6 +545,8 @@ class OpBuilder:
         folder = self.prebuilt_dir()
         if folder is None or not folder.is_dir():
             return None
+        from opbuilder.jit import prebuilt
+
         with_cuda = self.with_cuda()
         return prebuilt.Wanted(op=self.name, folder=folder, requires=self.prebuilt_requirements(),
                                with_cuda=with_cuda, cuda_archs=tuple(self.cuda_archs()) if with_cuda else ())

@@ -253,6 +253,20 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def write_private_atomic(path: Path, text: str) -> None:
+    """Write a whole file or nothing, readable by this user alone (mode 0600, in a shared cache too), into
+    a folder that exists already (a file only this user reads back, such as the key's memo). Raises OSError."""
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 class Slot:
     """Where one op at one key lives."""
 

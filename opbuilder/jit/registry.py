@@ -45,8 +45,14 @@ def get_builder(name: str) -> OpBuilder:
     return _INSTANCES[name]
 
 
+_RECORDS: dict[str, Any] = {}
+
+
 def record(name: str) -> Any:
-    """The record of a built-in op (``RECORD`` of its module: an ``opbuilder.dispatch.record.Record``);
-    imports the op's module (and torch). An unknown name raises UnknownOpError listing the known ones."""
+    """The record of a built-in op (what ``record()`` of its module makes, once: an
+    ``opbuilder.dispatch.record.Record``); imports the op's module (and torch). An unknown name raises
+    UnknownOpError listing the known ones."""
     _known(name)
-    return importlib.import_module(RECORD_MODULE.format(op=name)).RECORD
+    if name not in _RECORDS:
+        _RECORDS[name] = importlib.import_module(RECORD_MODULE.format(op=name)).record()
+    return _RECORDS[name]

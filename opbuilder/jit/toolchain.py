@@ -6,6 +6,7 @@ mtime) in the cache root, so a warm load never runs a compiler.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -25,11 +27,40 @@ from opbuilder.errors import CacheError
 _LAUNCHERS = ("ccache",)
 
 
+#: Inside ``one_lookup``: (program, PATH) -> what ``which`` found.
+_FOUND: dict[tuple[str, tuple[str, ...]], str | None] | None = None
+
+
+@contextlib.contextmanager
+def one_lookup() -> Iterator[None]:
+    """Within: ``which`` looks each program up on PATH once (a key is worked out from one view of PATH;
+    its flags ask for the C++ compiler about ten times)."""
+    global _FOUND
+    outer = _FOUND is not None
+    if not outer:
+        _FOUND = {}
+    try:
+        yield
+    finally:
+        if not outer:
+            _FOUND = None
+
+
 def which(program: str) -> str | None:
     """The real path of ``program`` as found on PATH. A compiler found through a ccache link folder is
     the compiler ccache runs (the next one of that name on PATH that is not ccache): that compiler is
     what is probed and keyed; ccache itself answers neither ``--version`` nor ``-fopenmp`` as one."""
     dirs = env.path_dirs()
+    found = _FOUND
+    if found is None:
+        return _which(program, dirs)
+    key = (program, tuple(dirs))
+    if key not in found:
+        found[key] = _which(program, dirs)
+    return found[key]
+
+
+def _which(program: str, dirs: list[str]) -> str | None:
     found = shutil.which(program, path=os.pathsep.join(dirs))
     if not found:
         return None

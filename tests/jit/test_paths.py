@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,12 @@ def test_the_docstring_lists_every_entry_of_the_cache(monkeypatch: pytest.Monkey
         "discovered": paths.discovered("<op>"), "work_dir": paths.work_dir("<op>", "<hash>"),
         "work_lock": paths.work_lock(paths.work_dir("<op>", "<hash>")), "slots_dir": paths.slots_dir(),
         "compilers": paths.compilers(), "trace": paths.trace("<op>", "<key>"), "check": paths.trace("<op>", "<key>", "check"),
+        "key_memo": paths.key_memo("<op>"),
     }
     for name, path in entries.items():
         assert path.is_relative_to(tmp_path), name
-        assert str(path.relative_to(tmp_path)) in doc, f"{name}: {path.relative_to(tmp_path)} is not in the docstring"
+        entry = str(path.relative_to(tmp_path)).replace(f"-{os.getuid()}.", "-<uid>.")
+        assert entry in doc, f"{name}: {entry} is not in the docstring"
     functions = {n for n, f in inspect.getmembers(paths, inspect.isfunction) if f.__module__ == paths.__name__}
     assert functions - {"root", "traces", "work_root"} <= set(entries), "a new cache path: list it here and in the docstring"
     for name in ("MANIFEST", "LOG", "TMP_PREFIX", "WORK_SOURCES", "WORK_GENERATED", "WORK_BUILDING", "WORK_OBJECTS"):
