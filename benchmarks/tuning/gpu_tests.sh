@@ -8,6 +8,6 @@ if [ "${1:-1}" = 1 ]; then
 else
   dirs="tests/jit tests/tools tests/package"
 fi
-timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $dirs -q -n 14 -p no:cacheprovider -rs -rfE >"$OUT/tests$1.log" 2>&1
+timeout "${TEST_TIMEOUT:-420}" python3 -m pytest $dirs -q -n 14 -p no:cacheprovider -rsfE >"$OUT/tests$1.log" 2>&1
 echo "pytest exit: $?"; grep -E "passed|failed" "$OUT/tests$1.log" | tail -2; grep -E "^(FAILED|ERROR)" "$OUT/tests$1.log" | head -20
-echo "== skip reasons (count)"; grep "^SKIPPED" "$OUT/tests$1.log" | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1 /' | awk '{n=$1; $1=""; c[$0]+=n} END {for (k in c) print c[k], k}' | sort -rn | head -15
+echo "== skip reasons (count)"; grep "^SKIPPED" "$OUT/tests$1.log" | sed -E "s/^SKIPPED \[([0-9]+)\] [^ ]+ /\1 /" | awk "{n=\$1; \$1=\"\"; c[\$0]+=n} END {for (k in c) print c[k], k}" | sort -rn | head -15
