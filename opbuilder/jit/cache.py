@@ -230,12 +230,15 @@ def refuse_symlink(path: Path) -> None:
         )
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, private: bool = False) -> None:
     """Write a whole file or nothing: a temporary file in the same folder, then a rename.
 
+    ``private``: readable by this user alone (mode 0600, in a shared cache too), written only into a folder
+    that exists already (a file only this user reads back, such as the key's memo).
     Raises CacheError when the disk is full, read-only, or the folder not ours to write.
     """
-    ensure_dir(path.parent)
+    if not private:
+        ensure_dir(path.parent)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     except OSError as exc:
@@ -243,27 +246,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
-        share(Path(tmp))
+        if not private:
+            share(Path(tmp))
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(exc, OSError):
             raise cache_error(path, exc) from exc
-        raise
-
-
-def write_private_atomic(path: Path, text: str) -> None:
-    """Write a whole file or nothing, readable by this user alone (mode 0600, in a shared cache too), into
-    a folder that exists already (a file only this user reads back, such as the key's memo). Raises OSError."""
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise
 
 

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from opbuilder.errors import CacheError
+
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^">]+)[">]', re.MULTILINE)
 
 #: What marks a source as written on the stable ABI, and what ties it to one torch build
@@ -131,8 +133,8 @@ class FileMemo:
         from opbuilder.jit import cache
 
         try:
-            cache.write_private_atomic(self.path, text)
-        except OSError:
+            cache.write_text_atomic(self.path, text, private=True)
+        except (OSError, CacheError):
             pass
 
     def _read(self) -> dict[str, tuple[tuple[int, ...], Facts]]:
