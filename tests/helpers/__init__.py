@@ -51,6 +51,14 @@ def copy_cache(cache: Path, dest: Path) -> Path:
     return dest
 
 
+def torchrun(script: Path, ranks: int, *args: str, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=ranks script *args`` from the checkout's
+    root, its output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script),
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
 def copy_builds(cache: Path, dest: Path, ops: list[str]) -> Path:
     """Copies the builds of ``ops`` (names of folders in the cache: ``relu``, ``autograd`` for the C++ gradient
     glue) from the cache ``cache`` into the cache ``dest`` (made if missing), as ``copy_cache`` copies a

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import opbuilder
-from helpers import ROOT, copy_builds
+from helpers import ROOT, copy_builds, torchrun
 from opbuilder.jit.registry import names
 
 RANKS = 8
@@ -31,9 +29,7 @@ def test_eight_ranks_build_each_op_once(tmp_path: Path, cxx_autograd_glue: Path)
     opbuilder.prepare(warm)  # in the run's cache (usually built there already)
     copy_builds(cxx_autograd_glue, cache, [*warm, "autograd"])
     env = dict(os.environ, OPB_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", OPB_MAX_JOBS="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-           str(ROOT / "tests" / "helpers" / "dist_step.py"), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT)
+    result = torchrun(ROOT / "tests" / "helpers" / "dist_step.py", RANKS, str(out), env=env, timeout=1800)
     assert result.returncode == 0, result.stderr[-6000:]
 
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]

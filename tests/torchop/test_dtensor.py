@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, torchrun
 
 # Checks tests/helpers/dist_dtensor.py runs on each rank: a launch that runs fewer has lost some.
 EXPECTED_CHECKS = {2: 49, 4: 63}
@@ -21,9 +19,7 @@ EXPECTED_CHECKS = {2: 49, 4: 63}
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_dtensor_ops_and_models(ranks: int, tmp_path: Path, cxx_autograd_glue: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(ROOT / "tests" / "helpers" / "dist_dtensor.py"), str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    result = torchrun(ROOT / "tests" / "helpers" / "dist_dtensor.py", ranks, str(tmp_path), env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-6000:]
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in reports) == list(range(ranks))

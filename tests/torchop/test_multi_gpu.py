@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import opbuilder
-from helpers import ROOT, copy_builds
+from helpers import ROOT, copy_builds, torchrun
 from opbuilder.jit.registry import names
 
 PLANS = ("DDP", "FSDP2", "TP+SP")
@@ -35,10 +33,8 @@ def run_benchmark(tmp_path: Path, run_cache: Path, ranks: int, *args: str) -> di
     # PYTHONPATH: opbuilder from this checkout in every rank, installed or not.
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OPB_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(ROOT / "benchmarks" / "multi_gpu.py"), "--steps", "2", "--rounds", "1", "--warmup", "1",
-           "--json", str(out), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT)
+    result = torchrun(ROOT / "benchmarks" / "multi_gpu.py", ranks, "--steps", "2", "--rounds", "1", "--warmup", "1",
+                      "--json", str(out), *args, env=env, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(out.read_text())
 
