@@ -32,7 +32,7 @@ from torch import nn
 
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same
-from opbuilder.torchop import eager, sharding
+from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -53,25 +53,25 @@ def _register(ns: str) -> None:
     # the checks to the op).
     # The .nograd overloads are the forwards without an autograd formula, for calls that record no gradient
     # (opbuilder.torchop.eager): the same fakes.
-    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
-    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm")
+    @fakes.register_fake(f"{ns}::fused_add_rmsnorm.nograd")
+    @fakes.register_fake(f"{ns}::fused_add_rmsnorm")
     def _(input, residual, weight, eps):
         if residual.device != input.device or weight.device != input.device:
             _check_fused(input, residual, weight, eps)
         return input.new_empty(input.shape), input.new_empty(input.shape)
 
-    @torch.library.register_fake(f"{ns}::rms_norm.nograd")
-    @torch.library.register_fake(f"{ns}::rms_norm")
+    @fakes.register_fake(f"{ns}::rms_norm.nograd")
+    @fakes.register_fake(f"{ns}::rms_norm")
     def _(input, weight, eps):
         if weight.device != input.device:
             _check_rms(input, weight, eps)
         return input.new_empty(input.shape)
 
-    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm_backward")
+    @fakes.register_fake(f"{ns}::fused_add_rmsnorm_backward")
     def _(grad_out, grad_residual_out, residual_out, weight, eps):
         return residual_out.new_empty(residual_out.shape), weight.new_empty(weight.shape)
 
-    @torch.library.register_fake(f"{ns}::fused_add_rmsnorm_backward.two_grads")
+    @fakes.register_fake(f"{ns}::fused_add_rmsnorm_backward.two_grads")
     def _(grad_out, grad_residual_out, residual_out, weight, eps):
         return (residual_out.new_empty(residual_out.shape), residual_out.new_empty(residual_out.shape),
                 weight.new_empty(weight.shape))

@@ -19,7 +19,7 @@ from torch import nn
 
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same
-from opbuilder.torchop import eager, sharding
+from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -70,8 +70,8 @@ def _register(ns: str) -> None:
     # the other device's kernel and its checks, so they check the devices (the function's usual path
     # leaves the checks to the op).
     # .nograd: the forward without an autograd formula, for calls that record no gradient (opbuilder.torchop.eager).
-    @torch.library.register_fake(f"{ns}::{_OP}.nograd")
-    @torch.library.register_fake(f"{ns}::{_OP}")
+    @fakes.register_fake(f"{ns}::{_OP}.nograd")
+    @fakes.register_fake(f"{ns}::{_OP}")
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _check_devices(lhs, rhs, bias)
         return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))

@@ -13,7 +13,7 @@ from torch import nn
 
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same, check_tensor
-from opbuilder.torchop import eager, sharding
+from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def _register(ns: str) -> None:
     # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
     # the other device's kernel and its checks, so they check the devices (fused_relu_layernorm's fast path
     # leaves the checks to the op).
-    @torch.library.register_fake(f"{ns}::fused_relu_layernorm")
+    @fakes.register_fake(f"{ns}::fused_relu_layernorm")
     def _(x, weight, bias, eps):
         _check_devices(x, weight, bias, eps)
         stats = x.shape[:-1]
@@ -47,12 +47,12 @@ def _register(ns: str) -> None:
 
     # The forward without an autograd formula and without the statistics, for calls that record no
     # gradient (opbuilder.torchop.eager).
-    @torch.library.register_fake(f"{ns}::fused_relu_layernorm.nograd")
+    @fakes.register_fake(f"{ns}::fused_relu_layernorm.nograd")
     def _(x, weight, bias, eps):
         _check_devices(x, weight, bias, eps)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    @torch.library.register_fake(f"{ns}::fused_relu_layernorm_backward")
+    @fakes.register_fake(f"{ns}::fused_relu_layernorm_backward")
     def _(grad_y, x, weight, mean, rstd, affine_grads):
         n = x.shape[-1] if affine_grads else 0
         return (

@@ -14,7 +14,7 @@ from torch import nn
 
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
-from opbuilder.torchop import eager, sharding
+from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -30,18 +30,18 @@ def mask_words(numel: int, dtype: torch.dtype) -> int:
 def _register(ns: str) -> None:
     # The .nograd overloads are the forwards without an autograd formula, for calls that record no gradient
     # (opbuilder.torchop.eager; relu_mask.nograd is the forward of relu_mask's Function): the same fakes.
-    @torch.library.register_fake(f"{ns}::relu.nograd")
-    @torch.library.register_fake(f"{ns}::relu")
+    @fakes.register_fake(f"{ns}::relu.nograd")
+    @fakes.register_fake(f"{ns}::relu")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    @torch.library.register_fake(f"{ns}::relu_mask.nograd")
-    @torch.library.register_fake(f"{ns}::relu_mask")
+    @fakes.register_fake(f"{ns}::relu_mask.nograd")
+    @fakes.register_fake(f"{ns}::relu_mask")
     def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.empty((mask_words(x.numel(), x.dtype),), dtype=torch.int32, device=x.device)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
 
-    @torch.library.register_fake(f"{ns}::relu_mask_backward")
+    @fakes.register_fake(f"{ns}::relu_mask_backward")
     def _(grad_y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
-from opbuilder.torchop import eager, sharding
+from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -34,12 +34,12 @@ def _register(ns: str) -> None:
 
     # forward.nograd: the forward without an autograd formula, for calls that record no gradient
     # (opbuilder.torchop.eager): the same fake.
-    @torch.library.register_fake(f"{ns}::forward.nograd")
-    @torch.library.register_fake(f"{ns}::forward")
+    @fakes.register_fake(f"{ns}::forward.nograd")
+    @fakes.register_fake(f"{ns}::forward")
     def _(x: torch.Tensor) -> torch.Tensor:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    @torch.library.register_fake(f"{ns}::backward")
+    @fakes.register_fake(f"{ns}::backward")
     def _(y: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
         return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 

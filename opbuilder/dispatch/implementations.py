@@ -181,7 +181,7 @@ def _add_builtin(op: str) -> None:
 
     builtin = {
         COMPILED: Implementation(COMPILED, "compiled", ours, lambda: registry.get_builder(op).key,
-                                   lambda: lazy.namespace_of(op) and None, in_body=True),
+                                   lambda: lazy.loaded(op) and None, in_body=True),
         "torch.compile": torch_compiled(ref),
         "reference": reference(ref),
     }

@@ -159,7 +159,7 @@ def _resolve(op: str) -> bool:
         from opbuilder.torchop import lazy
 
         try:
-            lazy.namespace_of(op)
+            lazy.loaded(op)
         except Exception as exc:
             if not env.fallback():
                 raise

@@ -34,6 +34,7 @@ same rule.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -55,11 +56,30 @@ _AUTOGRAD: dict[str, tuple[Callable[..., None], Callable[..., Any]]] = {}
 _PYTHON_GRAD: dict[str, Callable[..., Any]] = {}
 
 
+# namespace -> the register_autograd calls not made yet (see register_autograd).
+_QUEUED: dict[str, list[tuple[str, Callable[..., Any], Callable[..., None]]]] = {}
+_QUEUE_LOCK = threading.Lock()
+
+
 def register_autograd(qualname: str, backward: Callable[..., Any], *, setup_context: Callable[..., None]) -> None:
-    """``torch.library.register_autograd(qualname, backward, setup_context=...)``, and the two functions
-    kept for the eager path. ``setup_context(ctx, inputs, output)`` gets every input positionally."""
-    torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+    """``torch.library.register_autograd(qualname, backward, setup_context=...)``, made by ``register_queued``
+    (about half a millisecond each: a call without a gradient never needs it), and the two functions kept
+    for the eager path at once. ``setup_context(ctx, inputs, output)`` gets every input positionally."""
+    _QUEUED.setdefault(qualname.partition("::")[0], []).append((qualname, backward, setup_context))
     _AUTOGRAD[qualname.removesuffix(".default")] = (setup_context, backward)
+
+
+def register_queued(namespace: str) -> None:
+    """Make the namespace's queued ``torch.library.register_autograd`` calls. Done before anything reaches
+    the op through the dispatcher's Autograd key: the registered op's first use (``opbuilder.torchop.lazy``:
+    a trace, DTensor, a transform, the ``*_op()`` functions) and the first eager call that records a gradient
+    (``EagerOp.grad``: its backward may call other ops of the namespace, e.g. a double backward)."""
+    if namespace not in _QUEUED:  # every call but the first: one read
+        return
+    with _QUEUE_LOCK:  # another thread's first call waits until the registrations are made
+        for qualname, backward, setup_context in _QUEUED.get(namespace, ()):
+            torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+        _QUEUED.pop(namespace, None)
 
 
 def register_python_grad(qualname: str, call: Callable[..., Any]) -> None:
@@ -128,6 +148,7 @@ class EagerOp:
         # the Python path; once it is, ``grad`` is its C callable and this frame is gone.
         from opbuilder.torchop import cxx_autograd
 
+        register_queued(self.name.partition("::")[0])
         if self.builtin is not None and self.overload._overloadname == "default":
             ns, _, op = self.name.partition("::")
             call = cxx_autograd.entry(self.builtin, ns, op)

@@ -2,6 +2,9 @@
 
 An op's namespace carries its build key, so its fake and autograd registrations can only be made
 after the load: each op's Python file passes a ``register(namespace)`` function that makes them.
+Its Python autograd formulas reach torch (``torch.library.register_autograd``) only when something
+calls the op through the dispatcher or records a gradient (``namespace_of``, ``eager.register_queued``):
+the first call of an op used without gradients goes to the C++ op directly and needs none of them.
 
 The first call may come inside ``torch.compile``: ``namespace_of`` is marked as having a constant
 result (what ``torch.compiler.assume_constant_result`` does, without importing Dynamo at import
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 
 from opbuilder.jit.builder import OpBuilder
-from opbuilder.torchop import cxx_autograd
+from opbuilder.torchop import cxx_autograd, eager
 from opbuilder.torchop.eager import EagerOps
 
 _ENTRIES: dict[str, tuple[str | OpBuilder, Callable[[str], None]]] = {}
@@ -24,8 +27,9 @@ _INSTANCES: list["LazyOps"] = []
 _NAMESPACES: dict[str, str] = {}
 
 
-def namespace_of(entry: str) -> str:
-    """The ``torch.ops`` namespace of a registered op, loading it (building it if needed) first."""
+def loaded(entry: str) -> str:
+    """The ``torch.ops`` namespace of a registered op, loaded (built if needed) and its ``register(namespace)``
+    run: enough for the eager path's calls (``LazyOps.eager``), which go to the C++ ops directly."""
     name = _NAMESPACES.get(entry)
     if name is None:
         builder, register = _ENTRIES[entry]
@@ -37,6 +41,14 @@ def namespace_of(entry: str) -> str:
         name = handle.name
         register(name)
         _NAMESPACES[entry] = name
+    return name
+
+
+def namespace_of(entry: str) -> str:
+    """``loaded(entry)``, its op's Python autograd formulas registered with torch too (``eager.register_queued``):
+    the namespace for calls through the dispatcher (a trace, DTensor, a transform, a gradient)."""
+    name = loaded(entry)
+    eager.register_queued(name)
     return name
 
 
@@ -65,7 +77,7 @@ class LazyOps:
         cost one attribute read. Not for code Dynamo traces (use ``self()`` there)."""
         ops = self._eager
         if ops is None:
-            ops = self._eager = EagerOps(self(), self._builtin)
+            ops = self._eager = EagerOps(getattr(torch.ops, loaded(self.entry)), self._builtin)
         return ops
 
 

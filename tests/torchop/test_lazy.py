@@ -100,3 +100,45 @@ def test_each_op_module_is_imported_at_the_first_use_of_its_names() -> None:
     assert result.returncode == 0, result.stderr
     assert "AT IMPORT []" in result.stdout
     assert "ERROR module 'opbuilder.ops' has no attribute 'no_such_op'" in result.stdout
+
+
+def test_a_call_without_gradient_registers_no_autograd_formula_with_torch() -> None:
+    """An op's Python autograd formulas reach torch (``torch.library.register_autograd``, half a millisecond
+    each) when a call records a gradient or goes through the dispatcher, not at a first call without one;
+    its fakes are there from the load (a meta tensor takes the eager path too), each naming its own line."""
+    code = textwrap.dedent("""
+        import torch
+        import opbuilder.ops as ops
+        from opbuilder.ops.relu import relu_mask_op
+        from opbuilder.torchop import lazy
+
+        ops.relu(torch.randn(5))
+        ns = lazy._NAMESPACES["relu"]  # the loaded namespace
+        def autograd():
+            return [torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{op}", "Autograd")
+                    for op in ("relu", "relu_mask", "relu_mask_backward")]
+        print("NOGRAD", autograd())
+        print("META", ops.relu(torch.empty(2, 3, device="meta")).shape)
+        print("SOURCE", torch._library.simple_registry.singleton.find(f"{ns}::relu_mask").fake_impl.kernel.source)
+        x = torch.randn(5, requires_grad=True)
+        ops.relu(x).sum().backward()
+        print("GRAD", autograd(), x.grad.tolist() == (x > 0).float().tolist())
+
+        # the registered op, first reached after a call without gradient: its formula is registered
+        ops.softmax(torch.randn(2, 3))
+        s = lazy._NAMESPACES["softmax"]
+        first = torch._C._dispatch_has_kernel_for_dispatch_key(f"{s}::forward", "Autograd")
+        from opbuilder.ops.softmax import forward_op
+        z = torch.randn(2, 3, requires_grad=True)
+        forward_op()(z)[:, 0].sum().backward()
+        print("SOFTMAX", first, torch._C._dispatch_has_kernel_for_dispatch_key(f"{s}::forward", "Autograd"),
+              torch.allclose(z.grad, torch.autograd.grad(torch.softmax(z, -1)[:, 0].sum(), z)[0]))
+    """)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    out = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert out["NOGRAD"] == "[False, False, False]"
+    assert out["META"] == "torch.Size([2, 3])"
+    assert out["SOURCE"].endswith(tuple(f"ops/relu.py:{n}" for n in range(30, 60))), out["SOURCE"]
+    assert out["GRAD"] == "[True, True, True] True"
+    assert out["SOFTMAX"] == "False True True"
