@@ -58,12 +58,13 @@ def _flag(name: str) -> bool:
 
 
 def cache_root() -> Path:
+    # Absolute (from the working folder) when given relative: builds run in folders of their own.
     explicit = _get("OPB_CACHE_DIR")
     if explicit is not None:
-        return Path(explicit).expanduser()
+        return Path(os.path.abspath(Path(explicit).expanduser()))
     xdg = _get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
-    return base / "opbuilder"
+    return Path(os.path.abspath(base / "opbuilder"))
 
 
 def lock_timeout() -> float:

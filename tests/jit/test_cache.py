@@ -16,6 +16,17 @@ from helpers import cache as built
 from helpers.userop import load_snippet, write_user_op
 
 
+def test_a_relative_cache_folder_is_taken_from_the_working_folder(tmp_path: Path) -> None:
+    """OPB_CACHE_DIR=build/cache (relative) builds: ninja runs in the op's work folder, which must not be
+    looked up again from there (it was: "ninja: fatal: chdir to 'build/cache/.work/...'")."""
+    op = write_user_op(tmp_path / "proj")
+    relative = os.path.relpath(tmp_path / "rel-cache", ROOT)  # the loading process runs in ROOT
+    result = built.load(op, OPB_CACHE_DIR=relative)
+    assert result.returncode == 0, result.stderr
+    assert "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout
+    built.manifest(tmp_path / "rel-cache")  # its one build, where the relative path names
+
+
 def test_warm_load_does_not_rebuild(tmp_path: Path, fresh_cache: Path) -> None:
     op = write_user_op(tmp_path / "proj")
     first = built.load(op)
