@@ -60,10 +60,15 @@ def torchrun(script: Path, ranks: int, *args: str, env: dict[str, str], timeout:
 
 
 def copy_builds(cache: Path, dest: Path, ops: list[str]) -> Path:
-    """Copies the builds of ``ops`` (names of folders in the cache: ``relu``, ``autograd`` for the C++ gradient
-    glue) from the cache ``cache`` into the cache ``dest`` (made if missing), as ``copy_cache`` copies a
-    cache: warm there. Returns ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """Copies this checkout's current build of each of ``ops`` (names of folders in the cache: ``relu``,
+    ``autograd`` for the C++ gradient glue) from the cache ``cache`` into the cache ``dest`` (made if missing),
+    as ``copy_cache`` copies a cache: warm there. Only the build of the op's current key: a developer's cache
+    may also hold stale builds (from before a kernel edit), which a test counting builds must not see.
+    Returns ``dest``."""
+    from opbuilder.builders.autograd import AutogradGlueBuilder
+    from opbuilder.jit.registry import get_builder
+
     for op in ops:
-        shutil.copytree(cache / op, dest / op, symlinks=True)
+        key = (AutogradGlueBuilder() if op == "autograd" else get_builder(op)).key
+        shutil.copytree(cache / op / key, dest / op / key, symlinks=True)
     return dest
