@@ -51,7 +51,7 @@ import opbuilder.ops as ops  # noqa: E402
 from opbuilder import env  # noqa: E402
 from opbuilder.torchop import cxx_autograd
 from opbuilder.jit.registry import names  # noqa: E402
-from parallel_models import FFNModel, Model, sequence_parallel, twins  # noqa: E402  (beside this script)
+from parallel_models import FFNModel, Model, exit_rank, sequence_parallel, twins  # noqa: E402  (beside this script)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Largest ||ours - pytorch|| / ||pytorch|| of the loss; gradients get 2.5 times as much (as `opbuilder bench`).
@@ -323,10 +323,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Past destroy_process_group, the interpreter's teardown is skipped: there gloo's transport thread
-    # (pt_gloo_runloop) can abort the process ("terminate called without an active exception"; about 1
-    # run of 40 of tests/helpers/dist_dtensor.py on 2 CPU ranks).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_rank(main())

@@ -85,7 +85,7 @@ x = torch.randn(16)
 c2, t2 = time.process_time(), time.perf_counter()
 print(json.dumps({{"wall_s": t2 - t1, "cpu_s": c2 - c1, "torch_s": t1 - t0}}))
 """
-LIGHT_CALL = "import opbuilder.ops as ops\nops.{op}(*[x] * {arity})"
+LIGHT_CALL = "import opbuilder.ops as ops\nops.{op}(x)"
 
 
 def run(code: str, cache: Path, checkout: Path | None = None) -> tuple[float, dict]:
@@ -117,7 +117,7 @@ def spread_ms(values: list[float]) -> str:
 
 def light(op: str, repeats: int, checkouts: list[Path], cache: Path) -> dict:
     """The light-first-call measure (see the module docstring) of each checkout, interleaved."""
-    call = LIGHT.format(call=LIGHT_CALL.format(op=op, arity=1))
+    call = LIGHT.format(call=LIGHT_CALL.format(op=op))
     for checkout in checkouts:  # builds the op if needed and keeps the key's memo; not timed
         for _ in range(2):
             run(call, cache, checkout)

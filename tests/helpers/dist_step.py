@@ -6,7 +6,6 @@ the opbuilder model and of the same model built from PyTorch layers, and compare
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -17,6 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import opbuilder
 from opbuilder.tools.demo import twin_models
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from parallel_models import exit_rank  # noqa: E402  (benchmarks/ is no package)
 
 
 def main(out_dir: str) -> None:
@@ -35,18 +37,9 @@ def main(out_dir: str) -> None:
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump({"rank": rank, "worst_relative_grad_diff": worst, "pid": os.getpid()}, fh)
-    # DDP's reducers hold the process group and gloo's work: freed here, before the group is destroyed,
-    # not during interpreter exit (where gloo's threads can meet a half-torn-down interpreter: SIGABRT).
-    del fused, plain
-    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
-    # The interpreter's teardown is skipped: there gloo's transport thread (pt_gloo_runloop) can abort the
-    # process after the group is destroyed ("terminate called without an active exception", SIGABRT; seen
-    # in about 1 run of 40 on 2 CPU ranks, after every rank had printed past destroy_process_group).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)
 
 
 if __name__ == "__main__":
