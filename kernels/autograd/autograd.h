@@ -54,6 +54,15 @@ auto in_backward(const c10::TypedOperatorHandle<Sig>& op, Args&&... args) {
   return below(op, std::forward<Args>(args)...);
 }
 
+// The registered overloads reach forward-mode AD (the eager path never does): no formula for a tangent
+// here, so a dual input is refused, as aten refuses it for ops without one, rather than losing its tangent.
+template <class... Inputs>
+void no_forward_ad(const char* op, const Inputs&... inputs) {
+  const bool dual = (... || (inputs.defined() && inputs._fw_grad(/*level=*/0).defined()));
+  TORCH_CHECK_NOT_IMPLEMENTED(!dual, "Trying to use forward AD with opbuilder's ", op,
+                              ", which does not support it (no forward-mode formula)");
+}
+
 // For backwards whose own backward (double backward) the op does not have: a clear error rather than
 // a gradient that silently misses a term.
 inline void no_double_backward(const char* op) {

@@ -2,7 +2,8 @@
 //   fused_add_rmsnorm.grad(input, residual, weight, eps) -> (out, residual_out)
 //   rms_norm.grad(input, weight, eps) -> out
 // Both backwards are fused_add_rmsnorm_backward; when input and residual are both leaves the kernel writes
-// their two gradients itself (the .two_grads overload), as ops/fused_add_rmsnorm.py explains.
+// their two gradients itself (the .two_grads overload), as ops/fused_add_rmsnorm.py explains. The registered
+// overloads (bind_registered) get the same kernels, with the ops themselves below autograd.
 #pragma once
 
 #include <autograd/autograd.h>
@@ -73,42 +74,71 @@ struct RmsBackward final : torch::autograd::Node {
   }
 };
 
-inline void bind(Registrar& r) {
-  auto ops = std::make_shared<const Ops>(Ops{
+// The Autograd kernels, with `fused` and `rms` the ops run below autograd (the nograd overloads for the
+// .grad ones, the registered ops themselves for theirs).
+inline auto fused_kernel(std::shared_ptr<const Ops> ops, c10::TypedOperatorHandle<Fused> fused) {
+  return [ops, fused](const Tensor& input, const Tensor& residual, const Tensor& weight,
+                      double eps) -> std::tuple<Tensor, Tensor> {
+    auto [out, h] = below(fused, input, residual, weight, eps);
+    if (torch::autograd::compute_requires_grad(input, residual, weight)) {
+      auto node = make_node<FusedBackward>(input, residual, weight);
+      node->ops = ops;
+      node->weight = SavedVariable(weight, false);
+      node->eps = eps;
+      node->leaf_inputs = input.is_leaf() && residual.is_leaf();
+      set_grad_fn({out, h}, node);
+      node->residual_out = SavedVariable(h, true);
+    }
+    return {out, h};
+  };
+}
+
+inline auto rms_kernel(std::shared_ptr<const Ops> ops, c10::TypedOperatorHandle<Rms> rms) {
+  return [ops, rms](const Tensor& input, const Tensor& weight, double eps) -> Tensor {
+    Tensor out = below(rms, input, weight, eps);
+    if (torch::autograd::compute_requires_grad(input, weight)) {
+      auto node = make_node<RmsBackward>(input, weight);
+      node->ops = ops;
+      node->input = SavedVariable(input, false);
+      node->weight = SavedVariable(weight, false);
+      node->eps = eps;
+      set_grad_fn({out}, node);
+    }
+    return out;
+  };
+}
+
+inline std::shared_ptr<const Ops> find_ops(const Registrar& r) {
+  return std::make_shared<const Ops>(Ops{
       find<Fused>(r.ns, "fused_add_rmsnorm", "nograd"), find<Rms>(r.ns, "rms_norm", "nograd"),
       find<BackwardOp>(r.ns, "fused_add_rmsnorm_backward", ""),
       find<BackwardTwo>(r.ns, "fused_add_rmsnorm_backward", "two_grads")});
+}
+
+inline std::vector<std::string> bind_registered(Registrar& r) {
+  auto ops = find_ops(r);
+  auto fused = fused_kernel(ops, find<Fused>(r.ns, "fused_add_rmsnorm", ""));
+  auto rms = rms_kernel(ops, find<Rms>(r.ns, "rms_norm", ""));
+  r.lib.impl("fused_add_rmsnorm", torch::dispatch(c10::DispatchKey::Autograd,
+                                                  [fused](const Tensor& input, const Tensor& residual,
+                                                          const Tensor& weight, double eps) {
+                                                    no_forward_ad("fused_add_rmsnorm", input, residual, weight);
+                                                    return fused(input, residual, weight, eps);
+                                                  }));
+  r.lib.impl("rms_norm", torch::dispatch(c10::DispatchKey::Autograd,
+                                         [rms](const Tensor& input, const Tensor& weight, double eps) {
+                                           no_forward_ad("rms_norm", input, weight);
+                                           return rms(input, weight, eps);
+                                         }));
+  return {"fused_add_rmsnorm", "rms_norm"};
+}
+
+inline void bind(Registrar& r) {
+  auto ops = find_ops(r);
   r.lib.def("fused_add_rmsnorm.grad(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  r.lib.impl("fused_add_rmsnorm.grad",
-             torch::dispatch(c10::DispatchKey::Autograd,
-                             [ops](const Tensor& input, const Tensor& residual, const Tensor& weight,
-                                   double eps) -> std::tuple<Tensor, Tensor> {
-                               auto [out, h] = below(ops->fused, input, residual, weight, eps);
-                               if (torch::autograd::compute_requires_grad(input, residual, weight)) {
-                                 auto node = make_node<FusedBackward>(input, residual, weight);
-                                 node->ops = ops;
-                                 node->weight = SavedVariable(weight, false);
-                                 node->eps = eps;
-                                 node->leaf_inputs = input.is_leaf() && residual.is_leaf();
-                                 set_grad_fn({out, h}, node);
-                                 node->residual_out = SavedVariable(h, true);
-                               }
-                               return {out, h};
-                             }));
+  r.lib.impl("fused_add_rmsnorm.grad", torch::dispatch(c10::DispatchKey::Autograd, fused_kernel(ops, ops->fused)));
   r.lib.def("rms_norm.grad(Tensor input, Tensor weight, float eps) -> Tensor");
-  r.lib.impl("rms_norm.grad", torch::dispatch(c10::DispatchKey::Autograd,
-                                              [ops](const Tensor& input, const Tensor& weight, double eps) -> Tensor {
-                                                Tensor out = below(ops->rms, input, weight, eps);
-                                                if (torch::autograd::compute_requires_grad(input, weight)) {
-                                                  auto node = make_node<RmsBackward>(input, weight);
-                                                  node->ops = ops;
-                                                  node->input = SavedVariable(input, false);
-                                                  node->weight = SavedVariable(weight, false);
-                                                  node->eps = eps;
-                                                  set_grad_fn({out}, node);
-                                                }
-                                                return out;
-                                              }));
+  r.lib.impl("rms_norm.grad", torch::dispatch(c10::DispatchKey::Autograd, rms_kernel(ops, ops->rms)));
 }
 
 }  // namespace opb::autograd::fused_add_rmsnorm

@@ -1,6 +1,7 @@
 // fused_matmul_add_relu's C++ gradient path (kernels/autograd/autograd.h):
 // fused_matmul_add_relu.grad(lhs, rhs, bias?) -> y. The backward is ATen's: relu's mask from the saved y
-// (threshold_backward), then the GEMMs of matmul's backward, summed over broadcast dims.
+// (threshold_backward), then the GEMMs of matmul's backward, summed over broadcast dims. The registered
+// overload (bind_registered) gets the same kernel, with the op itself below autograd.
 #pragma once
 
 #include <ATen/ops/matmul.h>
@@ -14,10 +15,6 @@ namespace opb::autograd::fused_matmul_add_relu {
 
 using Opt = const std::optional<Tensor>&;
 using Forward = Tensor(const Tensor&, const Tensor&, Opt);
-
-struct Ops {
-  c10::TypedOperatorHandle<Forward> forward;
-};
 
 inline Tensor reduce_to(const Tensor& grad, c10::IntArrayRef shape) {
   return grad.sizes() == shape ? grad : grad.sum_to_size(shape);
@@ -71,24 +68,40 @@ struct Backward final : torch::autograd::Node {
   }
 };
 
+// The Autograd kernel, with `forward` the op run below autograd (the nograd overload for .grad, the
+// registered op itself for its own).
+inline auto kernel(c10::TypedOperatorHandle<Forward> forward) {
+  return [forward](const Tensor& lhs, const Tensor& rhs, Opt bias) -> Tensor {
+    Tensor y = below(forward, lhs, rhs, bias);
+    const Tensor c = or_undefined(bias);
+    if (torch::autograd::compute_requires_grad(lhs, rhs, c)) {
+      auto node = make_node<Backward>(lhs, rhs, c);
+      node->lhs = SavedVariable(lhs, false);
+      node->rhs = SavedVariable(rhs, false);
+      node->has_bias = c.defined();
+      if (c.defined()) node->bias_shape = c.sizes().vec();
+      set_grad_fn({y}, node);
+      node->y = SavedVariable(y, true);
+    }
+    return y;
+  };
+}
+
+inline std::vector<std::string> bind_registered(Registrar& r) {
+  r.lib.impl("fused_matmul_add_relu",
+             torch::dispatch(c10::DispatchKey::Autograd,
+                             [k = kernel(find<Forward>(r.ns, "fused_matmul_add_relu", ""))](
+                                 const Tensor& lhs, const Tensor& rhs, Opt bias) {
+                               no_forward_ad("fused_matmul_add_relu", lhs, rhs, or_undefined(bias));
+                               return k(lhs, rhs, bias);
+                             }));
+  return {"fused_matmul_add_relu"};
+}
+
 inline void bind(Registrar& r) {
-  auto ops = std::make_shared<const Ops>(Ops{find<Forward>(r.ns, "fused_matmul_add_relu", "nograd")});
   r.lib.def("fused_matmul_add_relu.grad(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
-  r.lib.impl("fused_matmul_add_relu.grad",
-             torch::dispatch(c10::DispatchKey::Autograd, [ops](const Tensor& lhs, const Tensor& rhs, Opt bias) -> Tensor {
-               Tensor y = below(ops->forward, lhs, rhs, bias);
-               const Tensor c = or_undefined(bias);
-               if (torch::autograd::compute_requires_grad(lhs, rhs, c)) {
-                 auto node = make_node<Backward>(lhs, rhs, c);
-                 node->lhs = SavedVariable(lhs, false);
-                 node->rhs = SavedVariable(rhs, false);
-                 node->has_bias = c.defined();
-                 if (c.defined()) node->bias_shape = c.sizes().vec();
-                 set_grad_fn({y}, node);
-                 node->y = SavedVariable(y, true);
-               }
-               return y;
-             }));
+  r.lib.impl("fused_matmul_add_relu.grad", torch::dispatch(c10::DispatchKey::Autograd,
+                                                          kernel(find<Forward>(r.ns, "fused_matmul_add_relu", "nograd"))));
 }
 
 }  // namespace opb::autograd::fused_matmul_add_relu

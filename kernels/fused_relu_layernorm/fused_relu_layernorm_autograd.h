@@ -1,5 +1,6 @@
 // fused_relu_layernorm's C++ gradient path (kernels/autograd/autograd.h):
 // fused_relu_layernorm.grad(x, weight?, bias?, eps) -> y; the statistics (mean, rstd) stay in the Node.
+// The registered overload (bind_registered) returns them too, not differentiable, as ops/fused_relu_layernorm.py's.
 #pragma once
 
 #include <autograd/autograd.h>
@@ -39,24 +40,44 @@ struct Backward final : torch::autograd::Node {
   }
 };
 
+// Runs the forward below autograd and records the Node; returns (y, mean, rstd).
+inline std::tuple<Tensor, Tensor, Tensor> record(const std::shared_ptr<const Ops>& ops, const Tensor& x, Opt weight,
+                                                 Opt bias, double eps) {
+  auto [y, mean, rstd] = below(ops->forward, x, weight, bias, eps);
+  const Tensor w = or_undefined(weight), b = or_undefined(bias);
+  if (torch::autograd::compute_requires_grad(x, w, b)) {
+    auto node = make_node<Backward>(x, w, b);
+    node->ops = ops;
+    node->x = SavedVariable(x, false);
+    node->weight = SavedVariable(w, false);
+    node->mean = SavedVariable(mean, false);
+    node->rstd = SavedVariable(rstd, false);
+    set_grad_fn({y}, node);
+  }
+  return {y, mean, rstd};
+}
+
+inline std::shared_ptr<const Ops> find_ops(const Registrar& r) {
+  return std::make_shared<const Ops>(
+      Ops{find<Forward>(r.ns, kOp, ""), find<BackwardOp>(r.ns, "fused_relu_layernorm_backward", "")});
+}
+
+inline std::vector<std::string> bind_registered(Registrar& r) {
+  r.lib.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd,
+                                  [ops = find_ops(r)](const Tensor& x, Opt weight, Opt bias, double eps) {
+                                    no_forward_ad(kOp, x, or_undefined(weight), or_undefined(bias));
+                                    return record(ops, x, weight, bias, eps);
+                                  }));
+  return {kOp};
+}
+
 inline void bind(Registrar& r) {
-  auto ops = std::make_shared<const Ops>(Ops{find<Forward>(r.ns, kOp, ""), find<BackwardOp>(r.ns, "fused_relu_layernorm_backward", "")});
   r.lib.def("fused_relu_layernorm.grad(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   r.lib.impl("fused_relu_layernorm.grad",
-             torch::dispatch(c10::DispatchKey::Autograd, [ops](const Tensor& x, Opt weight, Opt bias, double eps) -> Tensor {
+             torch::dispatch(c10::DispatchKey::Autograd, [ops = find_ops(r)](const Tensor& x, Opt weight, Opt bias,
+                                                                            double eps) -> Tensor {
                // x: contiguous (the Python function makes it so, and the backward reads the saved x).
-               auto [y, mean, rstd] = below(ops->forward, x, weight, bias, eps);
-               const Tensor w = or_undefined(weight), b = or_undefined(bias);
-               if (torch::autograd::compute_requires_grad(x, w, b)) {
-                 auto node = make_node<Backward>(x, w, b);
-                 node->ops = ops;
-                 node->x = SavedVariable(x, false);
-                 node->weight = SavedVariable(w, false);
-                 node->mean = SavedVariable(mean, false);
-                 node->rstd = SavedVariable(rstd, false);
-                 set_grad_fn({y}, node);
-               }
-               return y;
+               return std::get<0>(record(ops, x, weight, bias, eps));
              }));
 }
 

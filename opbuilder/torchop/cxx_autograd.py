@@ -15,6 +15,13 @@ calls switch once it is there; a process whose ops are never differentiated neve
 call of an op without a gradient never waits for it. A child process, not a thread: the build finishes
 and is kept for the next process even when this one ends first. Where the glue cannot be built or bound
 (no compiler, ``OPB_CXX_AUTOGRAD=0``), gradients keep the Python path, with one warning saying why.
+
+The registered ops (``ns::relu``, ``ns::forward``, ...: what a trace, a ``torch.compile`` graph, DTensor and
+``torch.ops`` calls reach) get the same C++ Nodes as their Autograd kernels (``registered``) when their
+formulas are first needed (``eager.register_queued``) and the glue is loaded or in the cache; otherwise (its
+first build is still to come) their Python formulas, for the process's life. A compiled graph runs its ops
+with grad mode off: through a C++ Autograd kernel that is one check and the op, where a Python one costs a
+frame, a pytree walk and a redispatch on every call.
 """
 
 from __future__ import annotations
@@ -59,17 +66,18 @@ def _off(reason: str) -> None:
                   FallbackWarning, stacklevel=5)
 
 
-def load(wait: bool = True) -> bool:
+def load(wait: bool = True, build: bool = True) -> bool:
     """Load the glue, building it first if needed: in this process when ``wait``, else in a child process in
-    the background. Returns whether it is loaded now. Never raises: a glue that cannot be had turns the C++
-    path off with one warning."""
+    the background; with ``build=False`` only from the cache (or a background build already finished).
+    Returns whether it is loaded now. Never raises: a glue that cannot be had turns the C++ path off with
+    one warning."""
     if _state in ("ready", "off"):
         return _state == "ready"
     with _lock:
-        return _load(wait)
+        return _load(wait, build)
 
 
-def _load(wait: bool) -> bool:
+def _load(wait: bool, build: bool = True) -> bool:
     global _state, _namespace, _build, _build_log, _next_poll
     if _state in ("ready", "off"):
         return _state == "ready"
@@ -87,6 +95,8 @@ def _load(wait: bool) -> bool:
             if handle is not None:
                 _namespace, _state = handle.name, "ready"
                 return True
+            if not build:
+                return False
             reasons = builder.incompatibility_reasons()
             if reasons:
                 _off("; ".join(reasons))
@@ -134,6 +144,26 @@ def entry(op: str, namespace: str, name: str) -> Callable[..., Any] | None:
     if not _bound[key]:
         return None
     return getattr(getattr(torch.ops, namespace), name).grad._op
+
+
+def registered(op: str, namespace: str) -> frozenset[str]:
+    """Give the built-in op ``op``'s registered overloads (loaded as ``namespace``: ``ns::relu``, ...) their C++
+    Autograd kernels, in place of the Python formulas of ``ops/<op>.py``; returns the names covered
+    ("ns::relu", ...), whose formulas need not be registered with torch. Empty while the glue is neither
+    loaded nor in the cache: this never starts its build (a first recorded gradient does, ``entry``), so a
+    process that only traces or runs inference builds nothing."""
+    if _state != "ready" and not load(wait=False, build=False):
+        return frozenset()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    try:
+        with _disable_current_modes():
+            names = getattr(torch.ops, _namespace).bind_registered(op, namespace)
+    except Exception as exc:  # noqa: BLE001 (the Python formulas are there: never fail a call)
+        warnings.warn(f"opbuilder: {op}'s registered op takes its Python autograd formula: binding its C++ kernel "
+                      f"failed: {str(exc).splitlines()[0]}", FallbackWarning, stacklevel=5)
+        return frozenset()
+    return frozenset(f"{namespace}::{name}" for name in names)
 
 
 def _bind(op: str, namespace: str, key: tuple[str, str]) -> None:

@@ -69,16 +69,27 @@ def register_autograd(qualname: str, backward: Callable[..., Any], *, setup_cont
     _AUTOGRAD[qualname.removesuffix(".default")] = (setup_context, backward)
 
 
-def register_queued(namespace: str) -> None:
+def register_queued(namespace: str, builtin: str | None = None) -> None:
     """Make the namespace's queued ``torch.library.register_autograd`` calls. Done before anything reaches
     the op through the dispatcher's Autograd key: the registered op's first use (``opbuilder.torchop.lazy``:
     a trace, DTensor, a transform, the ``*_op()`` functions) and the first eager call that records a gradient
-    (``EagerOp.grad``: its backward may call other ops of the namespace, e.g. a double backward)."""
+    (``EagerOp.grad``: its backward may call other ops of the namespace, e.g. a double backward). For a
+    built-in op (``builtin``: its name) whose C++ glue is at hand, the ops it covers get C++ Autograd kernels
+    instead (``cxx_autograd.registered``), and only the rest their Python formulas."""
     if namespace not in _QUEUED:  # every call but the first: one read
         return
     with _QUEUE_LOCK:  # another thread's first call waits until the registrations are made
-        for qualname, backward, setup_context in _QUEUED.get(namespace, ()):
-            torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+        queued = _QUEUED.get(namespace)
+        if queued is None:
+            return
+        covered: frozenset[str] = frozenset()
+        if builtin is not None:
+            from opbuilder.torchop import cxx_autograd
+
+            covered = cxx_autograd.registered(builtin, namespace)
+        for qualname, backward, setup_context in queued:
+            if qualname.removesuffix(".default") not in covered:
+                torch.library.register_autograd(qualname, backward, setup_context=setup_context)
         _QUEUED.pop(namespace, None)
 
 
@@ -148,7 +159,7 @@ class EagerOp:
         # the Python path; once it is, ``grad`` is its C callable and this frame is gone.
         from opbuilder.torchop import cxx_autograd
 
-        register_queued(self.name.partition("::")[0])
+        register_queued(self.name.partition("::")[0], self.builtin)
         if self.builtin is not None and self.overload._overloadname == "default":
             ns, _, op = self.name.partition("::")
             call = cxx_autograd.entry(self.builtin, ns, op)

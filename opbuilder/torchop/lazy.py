@@ -48,7 +48,7 @@ def namespace_of(entry: str) -> str:
     """``loaded(entry)``, its op's Python autograd formulas registered with torch too (``eager.register_queued``):
     the namespace for calls through the dispatcher (a trace, DTensor, a transform, a gradient)."""
     name = loaded(entry)
-    eager.register_queued(name)
+    eager.register_queued(name, entry if isinstance(_ENTRIES[entry][0], str) else None)
     return name
 
 

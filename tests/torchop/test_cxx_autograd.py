@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,10 +144,29 @@ def test_compile_fullgraph_with_a_backward_takes_the_registered_op() -> None:
 
 
 def test_autocast_with_an_autocast_rule_takes_the_registered_op() -> None:
-    x = torch.randn(3, 4, requires_grad=True)
-    assert ops.softmax(x).grad_fn.name() == "opbuilder::SoftmaxBackward"
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert ops.softmax(x).grad_fn.name() != "opbuilder::SoftmaxBackward"
+    # An op's autocast rule sits on its registered overload, not on .grad: under autocast, a call that records a
+    # gradient must take the registered op, or the rule would not cast. softmax's rule is CUDA's; a CPU rule
+    # made in a fresh process (the op is shared by this process's tests) shows it here: a bfloat16 x comes out
+    # float32 only through the registered op.
+    code = textwrap.dedent("""
+        import sys, torch
+        from opbuilder import ops
+        from opbuilder.torchop import cxx_autograd
+        import opbuilder.ops.softmax
+        forward = sys.modules["opbuilder.ops.softmax"].forward_op()
+        torch.library.register_autocast(forward, "cpu", torch.float32)
+        x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+        print("plain", ops.softmax(x).dtype, ops.softmax(x).grad_fn.name(), cxx_autograd.state())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ops.softmax(x)
+        y.sum().backward()
+        print("autocast", y.dtype, y.grad_fn.name(), x.grad.dtype)
+    """)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "plain torch.bfloat16 opbuilder::SoftmaxBackward ready", result.stdout
+    assert lines[1] == "autocast torch.float32 opbuilder::SoftmaxBackward torch.bfloat16", result.stdout
 
 
 def test_glue_is_keyed_by_the_exact_torch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,3 +273,102 @@ def test_calls_without_a_gradient_never_ask_for_the_glue() -> None:
     result = run_python(code)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "state new" in result.stdout and "after a gradient ready" in result.stdout, result.stdout
+
+
+_REGISTERED = """
+import sys, torch
+from torch.autograd import forward_ad as fwAD
+import opbuilder.ops.fused_add_rmsnorm, opbuilder.ops.fused_matmul_add_relu, opbuilder.ops.fused_relu_layernorm
+import opbuilder.ops.relu, opbuilder.ops.softmax
+from opbuilder.torchop import cxx_autograd
+m = {n: sys.modules["opbuilder.ops." + n] for n in ("relu", "softmax", "fused_relu_layernorm", "fused_add_rmsnorm",
+                                                  "fused_matmul_add_relu")}
+registered = [m["relu"].relu_op(), m["relu"].relu_mask_op(), m["relu"].relu_mask_backward_op(), m["softmax"].forward_op(),
+              m["softmax"].backward_op(), m["fused_relu_layernorm"].fused_relu_layernorm_op(),
+              m["fused_add_rmsnorm"].fused_add_rmsnorm_op(), m["fused_add_rmsnorm"].rms_norm_op(),
+              m["fused_matmul_add_relu"].fused_matmul_add_relu_op()]
+sites = []
+for op in registered:
+    line = [l for l in torch._C._dispatch_dump(op._schema.name).splitlines() if l.startswith("Autograd[alias]")][0]
+    sites.append("glue" if "kernels/autograd/glue.cpp" in line else "python" if "torch/library.py" in line or "torch/_library/" in line else line)
+print("sites", " ".join(sorted(set(sites))), "state", cxx_autograd.state())
+"""
+
+
+def test_registered_ops_get_the_glues_autograd_kernels() -> None:
+    # The glue is in the run's cache (the module fixture): a fresh process's registered ops (what torch.ops,
+    # a trace, torch.compile's graphs and DTensor reach) get C++ Autograd kernels, whose gradients are the
+    # Python formulas' (the eager Python path, from the same formulas) and the float64 reference's.
+    code = _REGISTERED + textwrap.dedent("""
+        import torch.nn.functional as F
+        g = torch.Generator().manual_seed(0)
+        t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+        relu, relu_mask, mask_bwd, sm, sm_bwd, ln, add_rms, rms, mm = registered
+        cases = {
+            "relu": (relu, [t(7, 33)], torch.relu),
+            "relu_mask": (lambda x: relu_mask(x)[0], [t(7, 33)], torch.relu),
+            "softmax": (sm, [t(7, 33)], lambda x: torch.softmax(x, -1)),
+            "fused_relu_layernorm": (lambda x, w, b: ln(x, w, b, 1e-5)[0], [t(7, 33), t(33), t(33)],
+                                     lambda x, w, b: F.layer_norm(torch.relu(x), (33,), w, b, 1e-5)),
+            "fused_add_rmsnorm": (lambda a, r, w: add_rms(a, r, w, 1e-6), [t(7, 33), t(7, 33), t(33)],
+                                  lambda a, r, w: (F.rms_norm(a + r, (33,), w, 1e-6), a + r)),
+            "rms_norm": (lambda a, w: rms(a, w, 1e-6), [t(7, 33), t(33)], lambda a, w: F.rms_norm(a, (33,), w, 1e-6)),
+            "fused_matmul_add_relu": (mm, [t(7, 12), t(12, 5), t(5)], lambda a, b, c: torch.relu(a @ b + c)),
+        }
+        tup = lambda o: o if isinstance(o, tuple) else (o,)
+        for name, (fn, args, ref) in cases.items():
+            out = tup(fn(*args))
+            assert all("opbuilder::" in o.grad_fn.name() for o in out), (name, [o.grad_fn for o in out])
+            up = [torch.randn_like(o) for o in out]
+            got = torch.autograd.grad(out, args, up)
+            want = torch.autograd.grad(tup(ref(*args)), args, up)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+            assert torch.autograd.gradcheck(fn, args), name
+        # double backward: relu's (relu_mask_backward is linear) and softmax's (its backward op's formula)
+        x = t(5, 9)
+        assert torch.autograd.gradgradcheck(lambda x: relu_mask(x)[0], (x,))
+        assert torch.autograd.gradgradcheck(sm, (x,))
+        assert torch.autograd.gradgradcheck(lambda y, g: sm_bwd(y, g), (sm(x).detach().requires_grad_(), t(5, 9)))
+        # a compiled graph with a backward through them
+        f = torch.compile(lambda x, w: rms(relu(x), w, 1e-6).sum() + sm(x).pow(2).sum(), backend="aot_eager",
+                          fullgraph=True)
+        x, w = t(6, 10), t(10)
+        f(x, w).backward()
+        want = torch.autograd.grad(F.rms_norm(torch.relu(x), (10,), w, 1e-6).sum() + torch.softmax(x, -1).pow(2).sum(),
+                                   [x, w])
+        torch.testing.assert_close((x.grad, w.grad), want, rtol=1e-10, atol=1e-10)
+        # forward AD: refused by name, never a tangent silently lost
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(torch.randn(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64))
+            for fn in (relu, sm, lambda d: rms(d, torch.ones(4, dtype=torch.float64), 1e-6)):
+                try:
+                    fn(dual)
+                    print("forward AD: no error")
+                except NotImplementedError as exc:
+                    assert "forward AD" in str(exc) and "does not support it" in str(exc), exc
+        print("checked")
+    """)
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sites glue state ready" in result.stdout and "checked" in result.stdout, result.stdout
+    assert "forward AD: no error" not in result.stdout, result.stdout
+
+
+def test_without_the_glue_in_the_cache_the_registered_ops_take_their_formulas_and_nothing_builds(tmp_path: Path) -> None:
+    ops.relu(torch.randn(3))  # the op builds are in the run's cache
+    for name in ("softmax", "fused_relu_layernorm", "rms_norm", "fused_matmul_add_relu"):
+        getattr(ops, name)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    _cache_without_glue(Path(os.environ["OPB_CACHE_DIR"]), cache)
+    code = _REGISTERED + textwrap.dedent("""
+        x = torch.randn(4, 6, requires_grad=True)
+        registered[0](x).sum().backward()
+        assert torch.equal(x.grad, (x > 0).float())
+        print("after", cxx_autograd.state())
+    """)
+    result = run_python(code, env={"OPB_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the registered ops' first use needs their formulas at once: Python's, and no build of the glue started
+    assert "sites python state new" in result.stdout and "after new" in result.stdout, result.stdout
