@@ -2,7 +2,10 @@
 ours (C++ gradient path, then the Python path) beside PyTorch's layers, and cProfile's top Python functions.
 
     python benchmarks/profile_step.py [--device cuda|cpu] [--model FFNModel|Model] [--size DIM,HIDDEN,TOKENS]
-                                      [--rows N] [--out DIR]
+                                      [--rows N] [--out DIR] [--compile]
+
+With --compile, both models are torch.compile'd whole and the Python path is left out (a compiled graph
+calls the registered ops, whose Autograd kernels are the glue's C++ ones once it is built).
 
 Writes DIR/profile_<label>.txt (the tables) and prints the head of each.
 """
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--compile", action="store_true", help="profile torch.compile of each whole model")
     args = p.parse_args(argv)
     dim, hidden, tokens = (int(v) for v in args.size.split(","))
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     target = torch.randn(tokens, dim, device=args.device)
     cxx_autograd.load(wait=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compile:
+        _profile("ours_compiled", torch.compile(ours), x, target, args.steps, args.rows, args.out)
+        _profile("torch_compiled", torch.compile(plain), x, target, args.steps, args.rows, args.out)
+        return 0
     _profile("ours_cxx", ours, x, target, args.steps, args.rows, args.out)
     with cxx_autograd.disabled():
         _profile("ours_python", ours, x, target, args.steps, args.rows, args.out)
