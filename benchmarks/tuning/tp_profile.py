@@ -1,0 +1,68 @@
+"""Where a TP+SP step's host time goes (issue 23): torch.profiler's CPU table on rank 0 for the TP+SP plan of
+benchmarks/multi_gpu.py, ours and PyTorch's layers, and the step time of each.
+
+    torchrun --nproc_per_node 2 benchmarks/tuning/tp_profile.py [--steps N] [--rows N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from multi_gpu import make_step, plan_models  # noqa: E402
+from parallel_models import exit_rank  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rows", type=int, default=30)
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    ours, theirs, batches = plan_models("TP+SP", mesh, args, torch.bfloat16, device)
+    for label, model in (("ours", ours), ("pytorch", theirs)):
+        step = make_step(model, batches)
+        for i in range(3):
+            step(i)
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(args.steps):
+                step(i)
+            torch.cuda.synchronize()
+        if rank == 0:
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
+            text = f"== {label}: step {ms:.2f} ms (rank 0, {args.steps} steps); profiler, by self CPU\n{table}\n"
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"tp_profile_{label}.txt").write_text(text)
+            print("\n".join(text.splitlines()[: args.rows + 6]), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank(0)
+
+
+if __name__ == "__main__":
+    main()
