@@ -31,28 +31,32 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
-    dist.init_process_group("nccl")
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    ours, theirs, batches = plan_models("TP+SP", mesh, args, torch.bfloat16, device)
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+    ours, theirs, batches = plan_models("TP+SP", mesh, args, torch.bfloat16 if cuda else torch.float32, device)
     for label, model in (("ours", ours), ("pytorch", theirs)):
         step = make_step(model, batches)
         for i in range(3):
             step(i)
-        torch.cuda.synchronize()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         for i in range(args.steps):
             step(i)
-        torch.cuda.synchronize()
+        sync()
         ms = (time.perf_counter() - t0) / args.steps * 1e3
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(args.steps):
                 step(i)
-            torch.cuda.synchronize()
+            sync()
         if rank == 0:
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
             text = f"== {label}: step {ms:.2f} ms (rank 0, {args.steps} steps); profiler, by self CPU\n{table}\n"
