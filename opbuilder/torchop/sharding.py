@@ -237,7 +237,10 @@ def rowwise(
     linear: names of the inputs the op is jointly linear in (a backward's incoming gradients): they may
         come Partial, with the other inputs replicated, and every output is then Partial.
     Every other tensor (input or output) is a row tensor ``[..., hidden]`` or per-row ``[...]`` (a norm's
-    statistics): split on one dim d < ndim - 1 alike, or replicated.
+    statistics): split on one dim d < ndim - 1 alike, or replicated. As aten's norms and softmax, the rule
+    follows a split the inputs already have and replicates the rows where they come split along them: it
+    never moves a split to another dim (an all-to-all there, and another back where the next layer wants
+    the old split, as a tensor-parallel linear does). A Partial input may go to any split (a reduce-scatter).
     """
     _check_names("rowwise", op, "params", params)
     _check_names("rowwise", op, "linear", linear)
@@ -251,9 +254,15 @@ def rowwise(
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         named = _named_args(op, args, kwargs)
-        ndim = max((v.ndim for n, v in named if _is_tensor(v) and n not in params), default=0)
+        rows = [v for n, v in named if _is_tensor(v) and n not in params]
+        ndim = max((v.ndim for v in rows), default=0)
+        placements = [p for v in rows for p in v.placements]
+        if any(isinstance(p, Partial) for p in placements):
+            dims = range(ndim - 1)
+        else:
+            dims = sorted({p.dim for p in placements if isinstance(p, Shard) and 0 <= p.dim < ndim - 1})
         out = []
-        for p in [Replicate()] + [Shard(d) for d in range(ndim - 1)]:
+        for p in [Replicate()] + [Shard(d) for d in dims]:
             split = isinstance(p, Shard)
             outputs = [Partial() if split and i in reduced else p for i in range(n_out)]
             inputs = [(Replicate() if n in params else p) if _is_tensor(v) else None for n, v in named]

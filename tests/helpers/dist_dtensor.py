@@ -188,9 +188,26 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
             for i, (a, c) in enumerate(zip(got, want)):
                 close(f"affine_grads={affine} output {i}", a, c)
 
+    # Where the row ops' outputs lie, as aten's norms and softmax: a split rows keep, rows split along
+    # themselves gathered (Replicate) -- never a split moved to another dim by an all-to-all, which the
+    # next tensor-parallel linear would move back (a Shard(2) softmax input became Shard(0) before).
+    def row_layouts() -> None:
+        # Even splits of a size where DTensor's cost model prices an all-to-all below an all-gather.
+        xs, rs, ws = torch.randn(8, 64, 64, dtype=DTYPE), torch.randn(8, 64, 64, dtype=DTYPE), torch.randn(64, dtype=DTYPE)
+        for fn, extra in ((ops.softmax, []), (ops.rms_norm, [ws]), (ops.relu, [])):
+            for given, want in ((S(2), R), (S(1), S(1)), (S(0), S(0)), (R, R)):
+                got = fn(distribute_tensor(xs.clone().requires_grad_(), mesh, [given]),
+                         *[distribute_tensor(t, mesh, [R]) for t in extra])
+                want_here = given if fn is ops.relu else want  # relu is elementwise: any split stays
+                assert got.placements == (want_here,), (fn.__name__, given, got.placements)
+        out, h = ops.fused_add_rmsnorm(*[distribute_tensor(t, mesh, [S(2)]) for t in (xs, rs)],
+                                       distribute_tensor(ws, mesh, [R]))
+        assert out.placements == h.placements == (R,), (out.placements, h.placements)
+
     if mesh.ndim == 1:
         checks.run(f"{tag} backward ops on Partial gradients", partial_backwards)
         checks.run(f"{tag} layernorm backward, affine_grads True/False", layernorm_backward_both_ways)
+        checks.run(f"{tag} row ops keep a split or gather the rows, never move a split", row_layouts)
 
 
 def mesh2d_checks(checks: Checks, mesh) -> None:
