@@ -12,6 +12,10 @@ their weights. For each model and size it prints, in one run:
   ours;
 - host time per step: on CUDA the same steps issued behind a long ``torch.cuda._sleep``, so the GPU never
   holds the host back (the time to issue them); on the CPU the step time itself;
+- on CUDA, the process's CPU time per step over the timed runs (``time.process_time``, every thread: the
+  autograd engine runs the backward on a thread of its own), the device synchronised outside it: a second
+  view of the host's work, free of what the sleep does to launches, where the step is host-bound (where the GPU
+  is the bottleneck, a launch that waits for room in the queue may spin, and that counts too);
 - with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's.
 
 Rounds alternate the models (ours, PyTorch, ours, ...); the median round is kept, and the least round
@@ -64,6 +68,17 @@ def _time_steps(model, x, target, steps: int, device: str) -> float:
         _step(model, x, target)
     _sync(device)
     return (time.perf_counter() - start) / steps
+
+
+def _cpu_steps(model, x, target, steps: int, device: str) -> float:
+    """Seconds of the process's CPU time per step (every thread), the synchronisations left out."""
+    _sync(device)
+    start = time.process_time()
+    for _ in range(steps):
+        _step(model, x, target)
+    cpu = (time.process_time() - start) / steps
+    _sync(device)
+    return cpu
 
 
 def _host_steps(model, x, target, steps: int, device: str) -> float:
@@ -122,6 +137,8 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
             "host_ours": lambda: _host_steps(ours, x, target, host_steps, device),
             "host_ours_python": python_path(lambda: _host_steps(ours, x, target, host_steps, device)),
             "host_torch": lambda: _host_steps(plain, x, target, host_steps, device),
+            "cpu_ours": lambda: _cpu_steps(ours, x, target, steps, device),
+            "cpu_torch": lambda: _cpu_steps(plain, x, target, steps, device),
         })
     if compile_:
         c_ours, c_plain = torch.compile(ours), torch.compile(plain)
@@ -145,6 +162,9 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
     row["speedup_python_path"] = t["torch"] / t["ours_python"]
     row["host_ratio"] = t["host_ours"] / t["host_torch"]
     row["host_ratio_python_path"] = t["host_ours_python"] / t["host_torch"]
+    if device == "cuda":
+        row["cpu_ratio"] = t["cpu_ours"] / t["cpu_torch"]
+        row["cpu_ratio_best"] = best["cpu_ours"] / best["cpu_torch"]
     if compile_:
         row["compiled_speedup"] = t["compiled_torch"] / t["compiled_ours"]
         row["compiled_speedup_best"] = best["compiled_torch"] / best["compiled_ours"]
@@ -153,13 +173,14 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
 
 def table(rows: list[dict]) -> str:
     head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup (best)", "control",
-            "host ours/torch (best)", "host py-path/torch", "compiled speedup (best)")
+            "host ours/torch (best)", "host py-path/torch", "host CPU ours/torch (best)", "compiled speedup (best)")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([
             r["model"], str(r["dim"]), str(r["tokens"]), f"{r['ours_ms']:.3f}", f"{r['ours_python_ms']:.3f}",
             f"{r['torch_ms']:.3f}", f"{r['speedup']:.2f} ({r['speedup_best']:.2f})", f"{r['control_speedup']:.2f}",
             f"{r['host_ratio']:.2f} ({r['host_ratio_best']:.2f})", f"{r['host_ratio_python_path']:.2f}",
+            f"{r['cpu_ratio']:.2f} ({r['cpu_ratio_best']:.2f})" if "cpu_ratio" in r else "-",
             f"{r['compiled_speedup']:.2f} ({r['compiled_speedup_best']:.2f})" if "compiled_speedup" in r else "-"]))
     return "\n".join(lines)
 
