@@ -12,10 +12,11 @@ their weights. For each model and size it prints, in one run:
   ours;
 - host time per step: on CUDA the same steps issued behind a long ``torch.cuda._sleep``, so the GPU never
   holds the host back (the time to issue them); on the CPU the step time itself;
-- on CUDA, the process's CPU time per step over the timed runs (``time.process_time``, every thread: the
-  autograd engine runs the backward on a thread of its own), the device synchronised outside it: a second
-  view of the host's work, free of what the sleep does to launches, where the step is host-bound (where the GPU
-  is the bottleneck, a launch that waits for room in the queue may spin, and that counts too);
+- on CUDA, the process's CPU time per step, in runs of its own taking turns with the others
+  (``time.process_time``, every thread: the autograd engine runs the backward on a thread of its own), the
+  device synchronised outside it: a second view of the host's work, free of what the sleep does to launches,
+  where the step is host-bound (where the GPU is the bottleneck, a launch that waits for room in the queue
+  may spin, and that counts too);
 - with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's.
 
 Rounds alternate the models (ours, PyTorch, ours, ...); the median round is kept, and the least round

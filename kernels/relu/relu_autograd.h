@@ -32,6 +32,17 @@ struct Backward final : torch::autograd::Node {
   void release_variables() override { mask.reset_data(); }
 };
 
+// Records `out` as made from `input` through the sign bits `bits`, if `input` needs a gradient: its backward
+// is relu_mask_backward with those bits (relu's and relu_mask's forward; relu_mask_backward, linear in grad_y,
+// the same for its own backward).
+inline void keep_bits(const std::shared_ptr<const Ops>& ops, const Tensor& input, const Tensor& bits, const Tensor& out) {
+  if (!torch::autograd::compute_requires_grad(input)) return;
+  auto node = make_node<Backward>(input);
+  node->ops = ops;
+  node->mask = SavedVariable(bits, false);
+  set_grad_fn({out}, node);
+}
+
 // relu's registered backward: from y, as torch.relu's.
 struct FromY final : torch::autograd::Node {
   SavedVariable y;
@@ -61,12 +72,7 @@ inline std::vector<std::string> bind_registered(Registrar& r) {
   r.lib.impl("relu_mask", torch::dispatch(c10::DispatchKey::Autograd, [ops](const Tensor& x) -> std::tuple<Tensor, Tensor> {
                no_forward_ad("relu_mask", x);
                auto [y, bits] = below(ops->mask, x);
-               if (torch::autograd::compute_requires_grad(x)) {  // the bits are not differentiable: no history
-                 auto node = make_node<Backward>(x);
-                 node->ops = ops;
-                 node->mask = SavedVariable(bits, false);
-                 set_grad_fn({y}, node);
-               }
+               keep_bits(ops, x, bits, y);  // the bits are not differentiable: no history
                return {y, bits};
              }));
   // Linear in grad_y with the same bits: its backward is itself (what makes relu's double backward).
@@ -74,12 +80,7 @@ inline std::vector<std::string> bind_registered(Registrar& r) {
              torch::dispatch(c10::DispatchKey::Autograd, [ops](const Tensor& grad_y, const Tensor& bits) -> Tensor {
                no_forward_ad("relu_mask_backward", grad_y);
                Tensor grad_x = below(ops->mask_backward, grad_y, bits);
-               if (torch::autograd::compute_requires_grad(grad_y)) {
-                 auto node = make_node<Backward>(grad_y);
-                 node->ops = ops;
-                 node->mask = SavedVariable(bits, false);
-                 set_grad_fn({grad_x}, node);
-               }
+               keep_bits(ops, grad_y, bits, grad_x);
                return grad_x;
              }));
   return {"relu", "relu_mask", "relu_mask_backward"};
@@ -90,13 +91,8 @@ inline void bind(Registrar& r) {
                                              find<MaskBackward>(r.ns, "relu_mask_backward", "")});
   r.lib.def("relu.grad(Tensor x) -> Tensor");
   r.lib.impl("relu.grad", torch::dispatch(c10::DispatchKey::Autograd, [ops](const Tensor& x) -> Tensor {
-               auto [y, mask] = below(ops->mask, x);
-               if (torch::autograd::compute_requires_grad(x)) {
-                 auto node = make_node<Backward>(x);
-                 node->ops = ops;
-                 node->mask = SavedVariable(mask, false);
-                 set_grad_fn({y}, node);
-               }
+               auto [y, bits] = below(ops->mask, x);
+               keep_bits(ops, x, bits, y);
                return y;
              }));
 }
