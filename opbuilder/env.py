@@ -29,7 +29,7 @@ VARIABLES: dict[str, str] = {
     "CXX": "Host C++ compiler (default c++), as torch.utils.cpp_extension uses it.",
     "CC": "nvcc's host compiler (-ccbin), as torch.utils.cpp_extension uses it; part of the cache key.",
     "PYTORCH_NVCC": "The nvcc command torch.utils.cpp_extension runs instead of $CUDA_HOME/bin/nvcc; part of the key.",
-    "OPB_DEBUG": "1 builds with debug info (host -g, device -lineinfo) into its own key; 'device' adds nvcc -G.",
+    "OPB_DEBUG": "1 builds with debug info (host -g, device -lineinfo) into its own key; 'device' adds nvcc -G; 0 builds without any, even where an op's own flags ask for it (DeepSpeed's CPU builders pass -g).",
     "LD_LIBRARY_PATH": "Read (never set) to find the OpenMP runtime torch's library links, as the dynamic loader does.",
     "CPATH": "Read (never set): folders the compilers search for headers; part of the cache key (a switch rebuilds).",
     "C_INCLUDE_PATH": "Read (never set): as CPATH, for C; part of the cache key.",
@@ -112,15 +112,19 @@ def cxx_compiler() -> str:
 
 
 def debug() -> str | None:
-    """None, "host" (OPB_DEBUG=1: -g, -lineinfo) or "device" (OPB_DEBUG=device: nvcc -G as well)."""
+    """None (unset: the op's own flags as they are), "host" (OPB_DEBUG=1: -g, -lineinfo), "device"
+    (OPB_DEBUG=device: nvcc -G as well) or "none" (OPB_DEBUG=0: the op's own debug flags dropped too)."""
     raw = _get("OPB_DEBUG")
-    if raw is None or not _flag("OPB_DEBUG"):
+    if raw is None:
         return None
+    if raw.lower() in ("0", "false", "no", "off", "none"):
+        return "none"
     if raw.lower() in ("device", "g", "-g"):
         return "device"
     if raw.lower() in ("1", "true", "yes", "on", "host"):
         return "host"
-    raise ValueError(f"OPB_DEBUG must be 1 (debug info) or 'device' (also nvcc -G), got {raw!r}")
+    raise ValueError(f"OPB_DEBUG must be 1 (debug info), 'device' (also nvcc -G) or 0 (none, even where an op's "
+                     f"flags ask for it), got {raw!r}")
 
 
 def nvcc_host_compiler() -> str | None:

@@ -39,6 +39,20 @@ _NAME_MAX = 100  # a folder name may have 255 bytes; the op's work folders add a
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
+# OPB_DEBUG=0 drops these from an op's own flags: -g, -g1..3, -ggdb[N], -gdwarf[-N]; nvcc's host and device debug.
+_CXX_DEBUG_FLAG = re.compile(r"-g(?:gdb|dwarf(?:-\d+)?)?[1-3]?")
+_NVCC_DEBUG_FLAGS = frozenset({"-g", "--debug", "-G", "--device-debug", "-lineinfo", "--generate-line-info"})
+
+
+def _debug_flags(args: list[str], added: dict[str, list[str]], nvcc: bool) -> list[str]:
+    """``args`` with what OPB_DEBUG asks for: its flags added (1, device), or the op's own debug flags
+    dropped (0)."""
+    mode = env.debug()
+    if mode != "none":
+        return args + added.get(mode, [])
+    if nvcc:
+        return [a for a in args if a not in _NVCC_DEBUG_FLAGS]
+    return [a for a in args if not _CXX_DEBUG_FLAG.fullmatch(a)]
 
 
 def default_build_var(name: str) -> str:
@@ -282,11 +296,12 @@ class OpBuilder:
 
     def final_cxx_args(self) -> list[str]:
         args = self._composed(OpBuilder.cxx_args(self), self.cxx_args())
-        return args + self._abi_flags(args) + _DEBUG_CXX.get(env.debug(), []) + (["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
+        return _debug_flags(args + self._abi_flags(args), _DEBUG_CXX, nvcc=False) + (
+            ["-DOPB_WITH_CUDA"] if self.with_cuda() else [])
 
     def final_nvcc_args(self) -> list[str]:
         args = self._composed(OpBuilder.nvcc_args(self), self.nvcc_args())
-        return args + self._abi_flags(args) + _DEBUG_NVCC.get(env.debug(), [])
+        return _debug_flags(args + self._abi_flags(args), _DEBUG_NVCC, nvcc=True)
 
     def _abi_flags(self, args: list[str]) -> list[str]:
         """-DOPB_STABLE_ABI and the stable API target, unless ``args`` (the op's own) already name one."""

@@ -249,6 +249,40 @@ def test_debug_builds_have_their_own_key_and_debug_info(tmp_path: Path, fresh_ca
     assert "kernel.cpp" in lines, "line tables name the source"
 
 
+def test_debug_0_drops_the_debug_flags_an_op_asks_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPB_DEBUG=0: no debug info even where the op's own flags ask for it (DeepSpeed's CPU builders pass -g;
+    without it their builds take about a third less time); an op without such flags keeps its key."""
+    from opbuilder import env
+
+    root = twofile.write_op(tmp_path / "proj", name="inc_nodebug")
+    plain = twofile.builder(root)
+
+    class Debugged(type(plain)):
+        def cxx_args(self) -> list[str]:
+            return super().cxx_args() + ["-O2", "-g", "-ggdb3", "-gdwarf-4", "-g0", "-gsplit-dwarf"]
+
+        def nvcc_args(self) -> list[str]:
+            return super().nvcc_args() + ["-lineinfo", "-G", "--generate-line-info", "-g", "-O3"]
+
+    asked = Debugged()
+    assert "-g" in asked.final_cxx_args() and "-lineinfo" in asked.final_nvcc_args()
+    keys = {None: (plain.key, asked.key)}
+    for value in ("0", "off"):
+        monkeypatch.setenv("OPB_DEBUG", value)
+        assert env.debug() == "none"
+        cxx, nvcc = Debugged().final_cxx_args(), Debugged().final_nvcc_args()
+        assert not {"-g", "-ggdb3", "-gdwarf-4"} & set(cxx), cxx
+        assert {"-O2", "-g0", "-gsplit-dwarf"} <= set(cxx), cxx
+        assert not {"-lineinfo", "-G", "--generate-line-info", "-g"} & set(nvcc) and "-O3" in nvcc, nvcc
+        keys[value] = (twofile.builder(root).key, Debugged().key)
+    assert keys["0"] == keys["off"]
+    assert keys["0"][0] == keys[None][0], "an op without debug flags keeps its key"
+    assert keys["0"][1] != keys[None][1], "dropping the op's -g is a build of its own"
+    monkeypatch.setenv("OPB_DEBUG", "sometimes")
+    with pytest.raises(ValueError, match=r"OPB_DEBUG must be 1 .* or 0 .*got 'sometimes'"):
+        env.debug()
+
+
 def test_compile_commands_name_the_users_own_files(tmp_path: Path, fresh_cache: Path) -> None:
     root = twofile.write_op(tmp_path / "proj", name="inc_cc")
     entries = compile.compile_commands(twofile.builder(root).build_spec())
