@@ -1,5 +1,5 @@
 """A private ``redis-server`` on a free loopback port, started and stopped by its user: the remote
-tier's tests (``tests/test_remote.py``) and ``benchmarks/remote_cluster.py``.
+tier's tests (``tests/jit/test_remote.py``) and ``benchmarks/remote_cluster.py``.
 
 Debian's package: ``apt-get install -y redis-server`` (``.ci/run`` installs it).
 """
