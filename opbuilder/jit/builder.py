@@ -39,9 +39,11 @@ _NAME_MAX = 100  # a folder name may have 255 bytes; the op's work folders add a
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
-# OPB_DEBUG=0 drops these from an op's own flags: -g, -g1..3, -ggdb[N], -gdwarf[-N]; nvcc's host and device debug.
+# OPB_DEBUG=0 drops these from an op's own flags: -g, -g1..3, -ggdb[N], -gdwarf[-N]; nvcc's host and device
+# debug, and the host compiler's through -Xcompiler (-Xcompiler -g, -Xcompiler=-g,-fPIC).
 _CXX_DEBUG_FLAG = re.compile(r"-g(?:gdb|dwarf(?:-\d+)?)?[1-3]?")
 _NVCC_DEBUG_FLAGS = frozenset({"-g", "--debug", "-G", "--device-debug", "-lineinfo", "--generate-line-info"})
+_NVCC_HOST_OPTIONS = ("-Xcompiler", "--compiler-options")
 
 
 def _debug_flags(args: list[str], added: dict[str, list[str]], nvcc: bool) -> list[str]:
@@ -50,9 +52,21 @@ def _debug_flags(args: list[str], added: dict[str, list[str]], nvcc: bool) -> li
     mode = env.debug()
     if mode != "none":
         return args + added.get(mode, [])
-    if nvcc:
-        return [a for a in args if a not in _NVCC_DEBUG_FLAGS]
-    return [a for a in args if not _CXX_DEBUG_FLAG.fullmatch(a)]
+    if not nvcc:
+        return [a for a in args if not _CXX_DEBUG_FLAG.fullmatch(a)]
+    kept: list[str] = []
+    for arg in args:
+        option, eq, value = arg.partition("=")
+        if kept and kept[-1] in _NVCC_HOST_OPTIONS:  # the value of "-Xcompiler VALUE"
+            option, eq, value = kept.pop(), " ", arg
+        elif not (eq and option in _NVCC_HOST_OPTIONS):
+            if arg not in _NVCC_DEBUG_FLAGS:
+                kept.append(arg)
+            continue
+        host = [v for v in value.split(",") if not _CXX_DEBUG_FLAG.fullmatch(v)]
+        if host:
+            kept += [option, ",".join(host)] if eq == " " else [f"{option}={','.join(host)}"]
+    return kept
 
 
 def default_build_var(name: str) -> str:

@@ -262,7 +262,9 @@ def test_debug_0_drops_the_debug_flags_an_op_asks_for(tmp_path: Path, monkeypatc
             return super().cxx_args() + ["-O2", "-g", "-ggdb3", "-gdwarf-4", "-g0", "-gsplit-dwarf"]
 
         def nvcc_args(self) -> list[str]:
-            return super().nvcc_args() + ["-lineinfo", "-G", "--generate-line-info", "-g", "-O3"]
+            return super().nvcc_args() + ["-lineinfo", "-G", "--generate-line-info", "-g", "-O3", "-Xcompiler", "-g",
+                                          "-Xcompiler", "-ggdb,-fPIC", "--compiler-options=-g3", "-Xcompiler=-Wall,-g",
+                                          "-Xptxas", "-v"]
 
     asked = Debugged()
     assert "-g" in asked.final_cxx_args() and "-lineinfo" in asked.final_nvcc_args()
@@ -274,6 +276,8 @@ def test_debug_0_drops_the_debug_flags_an_op_asks_for(tmp_path: Path, monkeypatc
         assert not {"-g", "-ggdb3", "-gdwarf-4"} & set(cxx), cxx
         assert {"-O2", "-g0", "-gsplit-dwarf"} <= set(cxx), cxx
         assert not {"-lineinfo", "-G", "--generate-line-info", "-g"} & set(nvcc) and "-O3" in nvcc, nvcc
+        # the host compiler's debug flags given through -Xcompiler go too, its other flags stay
+        assert nvcc[-6:] == ["-O3", "-Xcompiler", "-fPIC", "-Xcompiler=-Wall", "-Xptxas", "-v"], nvcc
         keys[value] = (twofile.builder(root).key, Debugged().key)
     assert keys["0"] == keys["off"]
     assert keys["0"][0] == keys[None][0], "an op without debug flags keeps its key"
