@@ -54,18 +54,22 @@ def _debug_flags(args: list[str], added: dict[str, list[str]], nvcc: bool) -> li
         return args + added.get(mode, [])
     if not nvcc:
         return [a for a in args if not _CXX_DEBUG_FLAG.fullmatch(a)]
+
+    def host(value: str) -> str:  # -Xcompiler's comma-separated flags, less the debug ones
+        return ",".join(v for v in value.split(",") if not _CXX_DEBUG_FLAG.fullmatch(v))
+
     kept: list[str] = []
     for arg in args:
         option, eq, value = arg.partition("=")
         if kept and kept[-1] in _NVCC_HOST_OPTIONS:  # the value of "-Xcompiler VALUE"
-            option, eq, value = kept.pop(), " ", arg
-        elif not (eq and option in _NVCC_HOST_OPTIONS):
-            if arg not in _NVCC_DEBUG_FLAGS:
-                kept.append(arg)
-            continue
-        host = [v for v in value.split(",") if not _CXX_DEBUG_FLAG.fullmatch(v)]
-        if host:
-            kept += [option, ",".join(host)] if eq == " " else [f"{option}={','.join(host)}"]
+            option = kept.pop()
+            if host(arg):
+                kept += [option, host(arg)]
+        elif eq and option in _NVCC_HOST_OPTIONS:  # "-Xcompiler=VALUE"
+            if host(value):
+                kept.append(f"{option}={host(value)}")
+        elif arg not in _NVCC_DEBUG_FLAGS:
+            kept.append(arg)
     return kept
 
 

@@ -43,8 +43,8 @@ def test_the_layout_names_every_package_and_module() -> None:
 def test_every_file_the_docs_name_exists() -> None:
     """A path of this repository that the README or a benchmark's or tool's docstring names (``tests/...py``,
     ``benchmarks/...py``, ``kernels/...``) is there: the layout moved files once, and the README kept naming
-    ``tests/test_deepspeed.py``. A header is looked for where ``#include <opbuilder/...>`` finds it. benchmarks/NOTES.md
-    is a log: its paths are those of their day."""
+    ``tests/test_deepspeed.py``. A header is looked for where ``#include <opbuilder/...>`` finds it.
+    benchmarks/NOTES.md is a log: its paths are those of their day."""
     pattern = re.compile(r"(?<![\w/.])((?:tests|benchmarks|kernels|opbuilder|ops)/[\w/]+\.(?:py|cpp|cu|cuh|h|sh|md))\b")
     docs = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("*.py")), *sorted((ROOT / "opbuilder").rglob("*.py"))]
     missing = sorted({f"{doc.relative_to(ROOT)}: {path}" for doc in docs for path in pattern.findall(doc.read_text())
