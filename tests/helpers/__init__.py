@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 #: This folder: the helper modules and scripts.
 HELPERS = Path(__file__).resolve().parent
@@ -28,9 +30,13 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run on th
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with this environment plus ``env``."""
+    """Run ``code`` in a fresh interpreter with this environment plus ``env`` (forked from one that has imported
+    torch where that is the same: ``helpers.zygote``)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
+    forked = zygote.run(code, full_env, ROOT, timeout)
+    if forked is not None:
+        return forked
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT
     )

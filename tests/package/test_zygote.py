@@ -1,0 +1,50 @@
+"""``run_python``'s forked children (tests/helpers/zygote.py) behave as ``python -c`` does: the same exit status,
+stdout, stderr (tracebacks included), arguments, environment and exit, checked against a real interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, zygote
+
+SNIPPETS = {
+    "output and status": "import sys; print('out', sys.argv); print('err', file=sys.stderr); sys.exit(3)",
+    "exit with a message": "raise SystemExit('stopped: a reason')",
+    "an exception": "import torch\ndef f():\n    raise ValueError('boom')\nf()",
+    "Ctrl-C": "raise KeyboardInterrupt",
+    "a crash": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+    "atexit and a thread": ("import atexit, threading, time\natexit.register(lambda: print('atexit ran'))\n"
+                            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()"),
+    "environment and folder": "import os; print(os.environ['OPB_PROBE'], os.getcwd(), __name__)",
+    "fresh imports": "import sys; print([m for m in sys.modules if m.startswith(('opbuilder', 'helpers'))])",
+    "unflushed output": "import sys; sys.stdout.write('no newline')",
+}
+
+
+def _real(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=ROOT)
+
+
+@pytest.mark.parametrize("name", list(SNIPPETS))
+def test_a_forked_child_is_what_python_c_gives(name: str) -> None:
+    code = SNIPPETS[name]
+    env = dict(os.environ, OPB_PROBE="probe")
+    forked = zygote.run(code, env, ROOT, timeout=120)
+    assert forked is not None, "the child was not forked"
+    real = _real(code, env)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
+
+
+def test_timeout_kills_the_child_and_raises_as_subprocess_run_does() -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.run("import time; time.sleep(60)", dict(os.environ), ROOT, timeout=1)
+
+
+def test_an_environment_torch_reads_at_import_gets_a_real_interpreter() -> None:
+    assert zygote.run("print(1)", dict(os.environ, PYTHONPATH="/nowhere"), ROOT, timeout=60) is None
+    assert zygote.run("print(1)", dict(os.environ, OMP_NUM_THREADS="1"), ROOT, timeout=60) is None
+    assert zygote.forkable(dict(os.environ, OPB_CACHE_DIR="/elsewhere", PATH="/bin"), dict(os.environ))
