@@ -11,8 +11,9 @@ working folder, arguments (``sys.argv == ['-c']``), stdout and stderr (files the
 exit (threads joined, ``atexit`` functions run, stdio flushed) are a fresh interpreter's; opbuilder and
 everything else the code imports is imported fresh. What it shares with its siblings: torch, imported with the
 environment the server started with. So ``forkable`` takes only an environment that differs from the server's
-in variables torch does not read at import (opbuilder's own, PATH, HOME, ...); any other (PYTHONPATH, TORCH_*,
-OMP_*, ...), and a call while another is running in this process, get a real ``subprocess.run``.
+only in variables neither the interpreter's start nor ``import torch`` reads (opbuilder's own, PATH, HOME, CUDA's,
+...); one that differs in PYTHONPATH, TORCH_*, OMP_*, ... (``IMPORT_TIME_PREFIXES``), and a call while another is
+running in this process, get a real ``subprocess.run``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-#: Environment variables a forked child may set differently from the server: none of them is read by
-#: ``import torch`` (they are read later, by opbuilder, by torch's compiler tools, or by the test's code).
-SAFE_PREFIXES = ("OPB_", "PATH", "HOME", "USER", "LOGNAME", "TMPDIR", "XDG_", "REDIS", "NO_DEBUG_INFO",
-                 "CC", "CXX", "CUDA_HOME", "CUDA_PATH", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "CCACHE",
-                 "TORCH_EXTENSIONS_DIR", "DS_", "HF_", "PYTEST_")
+#: Environment variables a forked child must have as the server had them: read by the interpreter's start or by
+#: ``import torch`` (and the libraries it loads: OpenMP, MKL). Any other may differ (opbuilder's own, PATH, HOME,
+#: CUDA's, which torch reads when CUDA starts, in the child; torch itself sets CUDA_MODULE_LOADING then).
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "LC_", "LANG", "TORCH", "PYTORCH", "TRITON", "OMP_", "GOMP_", "KMP_", "MKL",
+                        "OPENBLAS", "NUMPY", "MALLOC", "GLIBC")
+
+#: The environment the test process started with (before any test changed it): the server's.
+BASE_ENV = dict(os.environ)
 
 _SERVER = r"""
 import os, pickle, signal, socket, sys
@@ -103,7 +107,7 @@ while True:
 class _Server:
     def __init__(self, cwd: Path) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = dict(os.environ)
+        self.env = dict(BASE_ENV)
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=self.env, cwd=cwd)
@@ -167,10 +171,8 @@ def _get(cwd: Path) -> _Server | None:
 
 def forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
     """Whether a child with environment ``env`` may be forked from a server started with ``server_env``."""
-    for key in env.keys() | server_env.keys():
-        if env.get(key) != server_env.get(key) and not key.startswith(SAFE_PREFIXES):
-            return False
-    return True
+    return all(env.get(key) == server_env.get(key) for key in env.keys() | server_env.keys()
+               if key.startswith(IMPORT_TIME_PREFIXES))
 
 
 def run(code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:

@@ -48,3 +48,11 @@ def test_an_environment_torch_reads_at_import_gets_a_real_interpreter() -> None:
     assert zygote.run("print(1)", dict(os.environ, PYTHONPATH="/nowhere"), ROOT, timeout=60) is None
     assert zygote.run("print(1)", dict(os.environ, OMP_NUM_THREADS="1"), ROOT, timeout=60) is None
     assert zygote.forkable(dict(os.environ, OPB_CACHE_DIR="/elsewhere", PATH="/bin"), dict(os.environ))
+
+
+def test_a_variable_torch_sets_when_cuda_starts_still_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU machine, a test that starts CUDA leaves CUDA_MODULE_LOADING=LAZY in os.environ (torch sets it):
+    # every later child of that test process was refused a fork when the rule took the variables it could fork with.
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    forked = zygote.run("import os; print(os.environ['CUDA_MODULE_LOADING'])", dict(os.environ), ROOT, timeout=60)
+    assert forked is not None and forked.stdout == "LAZY\n"
