@@ -158,12 +158,10 @@ _server: _Server | None = None
 _start_lock = threading.Lock()
 
 
-def _get(cwd: Path) -> _Server | None:
+def _get(cwd: Path) -> _Server:
     global _server
     with _start_lock:
         if _server is None or not _server.alive():
-            if os.environ.get("OPB_TEST_NO_FORK") == "1":
-                return None
             _server = _Server(cwd)
             atexit.register(_server.close)
         return _server
@@ -178,8 +176,10 @@ def forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
 def run(code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
     """``code`` run in a child forked from the server (see the module's docstring); None where it may not be
     (the environment, another call running, ``OPB_TEST_NO_FORK=1``): the caller then starts a real one."""
+    if os.environ.get("OPB_TEST_NO_FORK") == "1":
+        return None
     server = _get(cwd)
-    if server is None or not forkable(env, server.env) or not server.busy.acquire(blocking=False):
+    if not forkable(env, server.env) or not server.busy.acquire(blocking=False):
         return None
     try:
         return server.run(code, env, cwd, timeout)

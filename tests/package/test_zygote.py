@@ -56,3 +56,9 @@ def test_a_variable_torch_sets_when_cuda_starts_still_forks(monkeypatch: pytest.
     monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
     forked = zygote.run("import os; print(os.environ['CUDA_MODULE_LOADING'])", dict(os.environ), ROOT, timeout=60)
     assert forked is not None and forked.stdout == "LAZY\n"
+
+
+def test_no_fork_asked_for_gets_a_real_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert zygote.run("print(1)", dict(os.environ), ROOT, timeout=60) is not None
+    monkeypatch.setenv("OPB_TEST_NO_FORK", "1")
+    assert zygote.run("print(1)", dict(os.environ), ROOT, timeout=60) is None
