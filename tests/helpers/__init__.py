@@ -42,6 +42,18 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     )
 
 
+def run_module(module: str, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m module *args`` in a fresh interpreter (forked as ``run_python``'s), its output captured; ``env``:
+    the whole environment (default: this process's)."""
+    full_env = dict(os.environ if env is None else env)
+    forked = zygote.run_module(module, list(args), full_env, cwd, timeout)
+    if forked is not None:
+        return forked
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=cwd)
+
+
 def default_sigint() -> None:
     """A child's ``preexec_fn``: SIGINT back to its default action. A test run started in the background by a
     non-interactive shell (``cmd &`` in a script) ignores SIGINT, its children inherit that, and a Python

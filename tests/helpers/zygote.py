@@ -5,8 +5,9 @@ Why: most tests that need a second process (a fresh interpreter, a second rank o
 crashes) spend nearly all of its time in ``import torch``, about 1.4 s of CPU on the 2-core CI machine, in
 about 140 children a run. A fork of an interpreter that has done it costs milliseconds.
 
-What a forked child is: ``python -c CODE`` after ``import torch``, as every test child starts. Its environment,
-working folder, arguments (``sys.argv == ['-c']``), stdout and stderr (files the test reads as text, as
+What a forked child is: ``python -c CODE`` (or ``python -m MODULE ARGS``: ``run_module``, for the ``opbuilder``
+command) after ``import torch``, as every test child starts. Its environment,
+working folder, arguments (``sys.argv``), stdout and stderr (files the test reads as text, as
 ``subprocess.run(capture_output=True, text=True)`` gives them), exit status (a signal's as negative), and its
 exit (threads joined, ``atexit`` functions run, stdio flushed) are a fresh interpreter's; opbuilder and
 everything else the code imports is imported fresh. What it shares with its siblings: torch, imported with the
@@ -48,7 +49,7 @@ sock = socket.socket(fileno=int(sys.argv[1]))
 def child(request, fds):
     import atexit, random, threading, traceback, types
     sock.close()
-    code, env, cwd = request
+    what, env, cwd = request
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for fd in fds:
@@ -57,12 +58,17 @@ def child(request, fds):
     os.environ.clear()
     os.environ.update(env)
     random.seed()
-    sys.argv[:] = ["-c"]
-    main = types.ModuleType("__main__")
-    sys.modules["__main__"] = main
     status = 0
     try:
-        exec(compile(code, "<string>", "exec"), main.__dict__)
+        if what[0] == "-m":  # python -m MODULE ARGS
+            import runpy
+            sys.argv[:] = [what[1], *what[2]]
+            runpy.run_module(what[1], run_name="__main__", alter_sys=True)
+        else:  # python -c CODE
+            sys.argv[:] = ["-c"]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(what[1], "<string>", "exec"), main.__dict__)
     except SystemExit as exc:
         if exc.code is None:
             status = 0
@@ -72,8 +78,12 @@ def child(request, fds):
             print(exc.code, file=sys.stderr)
             status = 1
     except BaseException as exc:
-        # The traceback a fresh interpreter prints: from the code's own frames (this function's left out).
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        # The traceback a fresh interpreter prints: from the code's own frames (this function's and runpy's
+        # left out).
+        tb = exc.__traceback__.tb_next
+        while what[0] == "-m" and tb is not None and tb.tb_frame.f_globals.get("__name__") == "runpy":
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb)
         status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     try:
         threading._shutdown()
@@ -125,9 +135,9 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
-    def run(self, code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, what: tuple, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            socket.send_fds(self.sock, [pickle.dumps((code, env, str(cwd)))], [out.fileno(), err.fileno()])
+            socket.send_fds(self.sock, [pickle.dumps((what, env, str(cwd)))], [out.fileno(), err.fileno()])
             self.sock.settimeout(60)
             kind, pid = pickle.loads(self.sock.recv(1 << 16))
             assert kind == "started", kind
@@ -142,7 +152,7 @@ class _Server:
                 timed_out = True
             assert kind == "exited", kind
             stdout, stderr = _text(out), _text(err)
-        args = [sys.executable, "-c", code]
+        args = [sys.executable, "-c", what[1]] if what[0] == "-c" else [sys.executable, "-m", what[1], *what[2]]
         if timed_out:
             raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(args, status, stdout, stderr)
@@ -174,14 +184,24 @@ def forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
 
 
 def run(code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
-    """``code`` run in a child forked from the server (see the module's docstring); None where it may not be
-    (the environment, another call running, ``OPB_TEST_NO_FORK=1``): the caller then starts a real one."""
+    """``python -c code`` in a child forked from the server (see the module's docstring); None where it may not
+    be (the environment, another call running, ``OPB_TEST_NO_FORK=1``): the caller then starts a real one."""
+    return _run(("-c", code), env, cwd, timeout)
+
+
+def run_module(module: str, args: list[str], env: dict[str, str], cwd: Path,
+               timeout: float) -> subprocess.CompletedProcess | None:
+    """``python -m module *args`` as ``run`` runs ``python -c``."""
+    return _run(("-m", module, list(args)), env, cwd, timeout)
+
+
+def _run(what: tuple, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:
     if os.environ.get("OPB_TEST_NO_FORK") == "1":
         return None
     server = _get(cwd)
     if not forkable(env, server.env) or not server.busy.acquire(blocking=False):
         return None
     try:
-        return server.run(code, env, cwd, timeout)
+        return server.run(what, env, cwd, timeout)
     finally:
         server.busy.release()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_python
+from helpers import ROOT, run_module, run_python
 from helpers.userop import load_snippet, user_op_key, write_user_op
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -633,8 +633,7 @@ def test_failed_build_is_reported_to_waiters_and_a_long_build_keeps_its_lease(
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opbuilder", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=ROOT, timeout=600)
+    return run_module("opbuilder", *args, env={**os.environ, **env})
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""``run_python``'s forked children (tests/helpers/zygote.py) behave as ``python -c`` does: the same exit status,
-stdout, stderr (tracebacks included), arguments, environment and exit, checked against a real interpreter."""
+"""``run_python``'s and ``run_module``'s forked children (tests/helpers/zygote.py) behave as ``python -c`` and
+``python -m`` do: the same exit status, stdout, stderr (tracebacks included), arguments, environment and exit,
+checked against a real interpreter."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def test_a_forked_child_is_what_python_c_gives(name: str) -> None:
     forked = zygote.run(code, env, ROOT, timeout=120)
     assert forked is not None, "the child was not forked"
     real = _real(code, env)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
+
+
+@pytest.mark.parametrize("args", [["report", "--json"], ["no-such-command"], ["--help"]],
+                         ids=["report", "a bad command", "help"])
+def test_a_forked_module_run_is_what_python_m_gives(args: list[str], tmp_path) -> None:
+    env = dict(os.environ, OPB_CACHE_DIR=str(tmp_path / "cache"))
+    forked = zygote.run_module("opbuilder", args, env, ROOT, timeout=120)
+    assert forked is not None, "the child was not forked"
+    real = subprocess.run([sys.executable, "-m", "opbuilder", *args], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
 
 

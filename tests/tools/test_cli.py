@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from helpers import ROOT
+from helpers import ROOT, run_module
 from opbuilder.jit import registry
 from opbuilder.tools import cli, report
 
@@ -32,8 +32,7 @@ def _env(cache_root: Path, **extra: str) -> dict[str, str]:
 
 
 def _cli(cache_root: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opbuilder", *args], capture_output=True, text=True,
-                          env=_env(cache_root), cwd=ROOT, timeout=timeout)
+    return run_module("opbuilder", *args, env=_env(cache_root), timeout=timeout)
 
 
 def _report(cache_root: Path) -> dict:

@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 
-from helpers import ROOT, run_python
+from helpers import run_module, run_python
 from opbuilder.tools import report
 
 
@@ -26,8 +24,7 @@ from opbuilder.tools import report
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache holding one good build of relu: relu's current build, taken from the run's shared cache (built
     there once per run, whichever worker comes first; on a GPU machine a cold build means nvcc)."""
-    proc = subprocess.run([sys.executable, "-m", "opbuilder", "build", "relu"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=900)  # OPB_CACHE_DIR: the shared cache (conftest)
+    proc = run_module("opbuilder", "build", "relu", timeout=900)  # OPB_CACHE_DIR: the shared cache (conftest)
     assert proc.returncode == 0, proc.stderr
     source = Path(report.op_row("relu")["cache_path"])
     assert source.is_dir() and source.parent.parent == Path(os.environ["OPB_CACHE_DIR"]), source
@@ -54,15 +51,13 @@ def _current(cache_root: Path) -> tuple[dict, Path, dict]:
 
 
 def _report_json(cache_root: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "opbuilder", "report", "--json"], capture_output=True, text=True,
-                          env={**os.environ, "OPB_CACHE_DIR": str(cache_root)}, cwd=ROOT, timeout=300)
+    proc = run_module("opbuilder", "report", "--json", env={**os.environ, "OPB_CACHE_DIR": str(cache_root)})
     assert proc.returncode == 0, proc.stderr
     return next(r for r in json.loads(proc.stdout)["ops"] if r["op"] == "relu")
 
 
 def _report_text(cache_root: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "opbuilder", "report"], capture_output=True, text=True,
-                          env={**os.environ, "OPB_CACHE_DIR": str(cache_root)}, cwd=ROOT, timeout=300)
+    proc = run_module("opbuilder", "report", env={**os.environ, "OPB_CACHE_DIR": str(cache_root)})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
