@@ -117,10 +117,9 @@ while True:
 class _Server:
     def __init__(self, cwd: Path) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = dict(BASE_ENV)
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env=self.env, cwd=cwd)
+                                     env=BASE_ENV, cwd=cwd)
         theirs.close()
         self.sock = ours
         self.busy = threading.Lock()
@@ -199,7 +198,7 @@ def _run(what: tuple, env: dict[str, str], cwd: Path, timeout: float) -> subproc
     if os.environ.get("OPB_TEST_NO_FORK") == "1":
         return None
     server = _get(cwd)
-    if not forkable(env, server.env) or not server.busy.acquire(blocking=False):
+    if not forkable(env, BASE_ENV) or not server.busy.acquire(blocking=False):
         return None
     try:
         return server.run(what, env, cwd, timeout)
