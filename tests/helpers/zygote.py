@@ -37,6 +37,13 @@ from pathlib import Path
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "LC_", "LANG", "TORCH", "PYTORCH", "TRITON", "OMP_", "GOMP_", "KMP_", "MKL",
                         "OPENBLAS", "NUMPY", "MALLOC", "GLIBC")
 
+#: Variables with those prefixes that torch itself sets in the test process at its first compile (Inductor's
+#: and Triton's cache folders, Triton's tools) and reads only when compiling, from the environment of the
+#: process compiling: a forked child reads its own. Where CI leaves TORCHINDUCTOR_CACHE_DIR unset, a worker's
+#: first ``torch.compile`` sets it, and every later child of that worker was refused a fork.
+SET_BY_TORCH_AT_COMPILE = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
+                                     "TRITON_LIBDEVICE_PATH"})
+
 #: The environment the test process started with (before any test changed it): the server's.
 BASE_ENV = dict(os.environ)
 
@@ -176,10 +183,27 @@ def _get(cwd: Path) -> _Server:
         return _server
 
 
+def unforkable(env: dict[str, str], server_env: dict[str, str]) -> list[str]:
+    """The variables (sorted) by which a child with environment ``env`` may not be forked from a server started
+    with ``server_env``."""
+    return sorted(key for key in env.keys() | server_env.keys()
+                  if key.startswith(IMPORT_TIME_PREFIXES) and key not in SET_BY_TORCH_AT_COMPILE
+                  and env.get(key) != server_env.get(key))
+
+
 def forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
     """Whether a child with environment ``env`` may be forked from a server started with ``server_env``."""
-    return all(env.get(key) == server_env.get(key) for key in env.keys() | server_env.keys()
-               if key.startswith(IMPORT_TIME_PREFIXES))
+    return not unforkable(env, server_env)
+
+
+def why_not(env: dict[str, str]) -> str:
+    """Why ``run`` would not fork a child with environment ``env`` now (for a test's message)."""
+    if os.environ.get("OPB_TEST_NO_FORK") == "1":
+        return "OPB_TEST_NO_FORK=1"
+    if _server is not None and _server.busy.locked():
+        return "another call is running"
+    keys = unforkable(env, BASE_ENV)
+    return f"its environment differs from the server's in {keys}" if keys else "no reason now"
 
 
 def run(code: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess | None:

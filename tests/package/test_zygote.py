@@ -35,7 +35,7 @@ def test_a_forked_child_is_what_python_c_gives(name: str) -> None:
     code = SNIPPETS[name]
     env = dict(os.environ, OPB_PROBE="probe")
     forked = zygote.run(code, env, ROOT, timeout=120)
-    assert forked is not None, "the child was not forked"
+    assert forked is not None, f"the child was not forked: {zygote.why_not(env)}"
     real = _real(code, env)
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
 
@@ -45,7 +45,7 @@ def test_a_forked_child_is_what_python_c_gives(name: str) -> None:
 def test_a_forked_module_run_is_what_python_m_gives(args: list[str], tmp_path) -> None:
     env = dict(os.environ, OPB_CACHE_DIR=str(tmp_path / "cache"))
     forked = zygote.run_module("opbuilder", args, env, ROOT, timeout=120)
-    assert forked is not None, "the child was not forked"
+    assert forked is not None, f"the child was not forked: {zygote.why_not(env)}"
     real = subprocess.run([sys.executable, "-m", "opbuilder", *args], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
     assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr)
@@ -68,6 +68,22 @@ def test_a_variable_torch_sets_when_cuda_starts_still_forks(monkeypatch: pytest.
     monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
     forked = zygote.run("import os; print(os.environ['CUDA_MODULE_LOADING'])", dict(os.environ), ROOT, timeout=60)
     assert forked is not None and forked.stdout == "LAZY\n"
+
+
+def test_the_folders_torch_sets_at_its_first_compile_still_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where TORCHINDUCTOR_CACHE_DIR is not set (CI), the test process's first torch.compile sets it in os.environ
+    # (torch's cache_dir()): every later child of that worker was refused a fork, and this file failed on CI.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    before = dict(os.environ)
+    cache_dir()
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ, "torch no longer sets it: this test checks nothing"
+    assert zygote.unforkable(dict(os.environ), before) == []
+    # The same for what Triton's first compile sets on the GPU machine.
+    triton = {"TRITON_CACHE_DIR": "/tmp/t", "TRITON_PTXAS_PATH": "/x/ptxas", "TRITON_LIBDEVICE_PATH": "/x/l.bc"}
+    assert zygote.unforkable(dict(before, **triton), before) == []
+    assert zygote.unforkable(dict(before, TRITON_HOME="/x"), before) == ["TRITON_HOME"]
 
 
 def test_no_fork_asked_for_gets_a_real_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
