@@ -20,6 +20,7 @@ VARIABLES: dict[str, str] = {
     "OPB_TRUST_SHARED_CACHE": "1 loads from a cache that other users own or can write to (a deliberately shared cache).",
     "OPB_FALLBACK": "0 makes an op that cannot be built or loaded here an error, instead of falling back to the next implementation (default 1).",
     "OPB_CXX_AUTOGRAD": "0 records the built-in ops' gradients through Python autograd.Functions instead of their C++ path (default 1: the C++ glue, built once a torch version, in the background when first needed).",
+    "OPB_COMPILE_INLINE_BELOW": "Under torch.compile, a built-in op's call on fewer elements than this traces the op's PyTorch definition, which Inductor fuses with its neighbours, instead of calling our kernel (default 2097152; 0: our kernel at every size). Read when a model is compiled.",
     "OPB_BUILD_OPS": "1 at install time prebuilds every compatible built-in op.",
     "OPB_BUILD_<OP>": "1 prebuilds one op at install time, 0 excludes it.",
     "DS_BUILD_OPS": "1 makes opbuilder.deepspeed.prebuild() compile every DeepSpeed-style op it is given that can be built here.",
@@ -164,6 +165,23 @@ def fallback() -> bool:
 def cxx_autograd() -> bool:
     """Whether gradients of the built-in ops take their C++ path (``OPB_CXX_AUTOGRAD``, default on)."""
     return _get("OPB_CXX_AUTOGRAD") is None or _flag("OPB_CXX_AUTOGRAD")
+
+
+#: OPB_COMPILE_INLINE_BELOW's default: 2**21 elements, between the sizes measured (benchmarks/NOTES.md, issue 23):
+#: compiled steps of benchmarks/parallel_models.py's models with ops on 2**12-2**20 elements ran faster with the
+#: definitions traced (CPU, dim 64 and 256; an H200, dim 256), and at 2**23 and more (dim 1024) the compiled
+#: step with our kernels beat PyTorch's.
+COMPILE_INLINE_BELOW = 1 << 21
+
+
+def compile_inline_below() -> int:
+    """Elements below which a built-in op's call traced by torch.compile takes the op's PyTorch definition."""
+    raw = _get("OPB_COMPILE_INLINE_BELOW")
+    if raw is None:
+        return COMPILE_INLINE_BELOW
+    if not (raw.isascii() and raw.isdigit()):
+        raise ValueError(f"OPB_COMPILE_INLINE_BELOW must be a whole number of elements >= 0, got {raw!r}")
+    return int(raw)
 
 
 def build_all_ops() -> bool:

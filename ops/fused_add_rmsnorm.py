@@ -33,6 +33,7 @@ from torch import nn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
+from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -204,6 +205,8 @@ def fused_add_rmsnorm(
     if direct:
         fused = _ops.eager().fused_add_rmsnorm
         return (fused.grad if eager.needs_grad(input, residual, weight) else fused.nograd)(*args)
+    if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
+        return reference(*args)
     return fused_add_rmsnorm_op()(*args)
 
 
@@ -223,7 +226,10 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tor
             raise error
         args = (input, weight, _check_rms(input, weight, eps))
         return (norm.grad if eager.needs_grad(input, weight) else norm.nograd)(*args)
-    return rms_norm_op()(input, weight, _check_rms(input, weight, eps))
+    eps = _check_rms(input, weight, eps)
+    if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
+        return _rms(input, weight, eps)
+    return rms_norm_op()(input, weight, eps)
 
 
 def _check_fused(input: object, residual: object, weight: object, eps: object) -> float:
@@ -317,9 +323,14 @@ def reference(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """The op's meaning: ``residual_out = input + residual`` in their dtype, then the norm of it in float32
     (float64 for float64 inputs), rounded once to the input's dtype."""
     h = input + residual
+    return _rms(h, weight, eps), h
+
+
+def _rms(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm's meaning: the norm of ``h`` in float32 (float64 for float64 inputs), rounded once to its dtype."""
     hf = h.double() if h.dtype == torch.float64 else h.float()
     out = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(hf.dtype)
-    return out.to(input.dtype), h
+    return out.to(h.dtype)
 
 
 def _native(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

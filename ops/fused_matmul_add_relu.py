@@ -20,6 +20,7 @@ from torch import nn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
+from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -183,6 +184,10 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
     if direct:
         op = _ops.eager().fused_matmul_add_relu
         return (op.grad if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
+    if inline(lhs):  # a small call under torch.compile: as nn.Linear and nn.ReLU compile
+        if bias is not None and lhs.dim() == 2 and rhs.dim() == 2:
+            return torch.relu(torch.addmm(bias, lhs, rhs))  # the bias added before rounding, as our epilogue does
+        return reference(lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder.torchop import eager, fakes, sharding
+from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -167,6 +168,8 @@ def fused_relu_layernorm(
     if direct:
         op = _ops.eager().fused_relu_layernorm
         y = op.grad(*args) if eager.needs_grad(x, weight, bias) else op.nograd(*args)
+    elif inline(x):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
+        y = reference(x, weight, bias, eps)
     else:
         y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)

@@ -15,6 +15,7 @@ from torch import nn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder.torchop import eager, fakes, sharding
+from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ def relu(x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and torch.is_grad_enabled():
             return ops.relu.grad(x)
         return ops.relu.nograd(x)
+    if inline(x):  # a small call under torch.compile: Inductor fuses torch.relu with its neighbours
+        return reference(x)
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]

@@ -21,6 +21,7 @@ from torch import nn
 from opbuilder.dispatch.router import ROUTES as _ROUTES
 from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder.torchop import eager, fakes, sharding
+from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
 
 if TYPE_CHECKING:
@@ -135,6 +136,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if eager.direct():
         forward = _ops.eager().forward
         op = forward.grad if x.requires_grad and torch.is_grad_enabled() else forward.nograd
+    elif inline(x):  # a small call under torch.compile: Inductor fuses torch.softmax with its neighbours
+        return reference(x, dim)
     else:
         op = forward_op()
     if dim == ndim - 1 and ndim:

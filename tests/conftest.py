@@ -21,6 +21,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import torch  # noqa: E402,F401  (after the variable above: Inductor reads it at import)
 
+# Under torch.compile, small calls of the built-in ops trace their PyTorch definitions by default
+# (opbuilder.torchop.inline); the tests' shapes are small, and their compile tests are there for our kernels
+# under compile: 0 keeps the kernels. tests/torchop/test_inline.py tests the default.
+os.environ.setdefault("OPB_COMPILE_INLINE_BELOW", "0")
+
 from helpers import ROOT, run_python  # noqa: E402
 
 # Every test process and every child it starts builds into this cache unless told otherwise.
