@@ -17,7 +17,8 @@ their weights. For each model and size it prints, in one run:
   device synchronised outside it: a second view of the host's work, free of what the sleep does to launches,
   where the step is host-bound (where the GPU is the bottleneck, a launch that waits for room in the queue
   may spin, and that counts too);
-- with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's.
+- with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's, and ours with
+  our kernels at every size (``OPB_COMPILE_INLINE_BELOW=0``; by default small calls trace the ops' definitions).
 
 Rounds alternate the models (ours, PyTorch, ours, ...); the median round is kept, and the least round
 too (``best``: at dim 256 a step is host-bound and its time wanders by 10-15 % between rounds, and between
@@ -29,8 +30,10 @@ speedups beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -142,11 +145,18 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
             "cpu_torch": lambda: _cpu_steps(plain, x, target, steps, device),
         })
     if compile_:
+        # ours as compiled by default (small calls traced as their PyTorch definitions, which Inductor fuses:
+        # opbuilder.torchop.inline), and with our kernels at every size (OPB_COMPILE_INLINE_BELOW=0 while traced)
         c_ours, c_plain = torch.compile(ours), torch.compile(plain)
+        c_kernels = torch.compile(_OwnCompile(copy.deepcopy(ours)))
         for model in (c_ours, c_plain):
             for _ in range(3):
                 _step(model, x, target)
+        with _env("OPB_COMPILE_INLINE_BELOW", "0"):
+            for _ in range(3):
+                _step(c_kernels, x, target)
         runs["compiled_ours"] = lambda: _time_steps(c_ours, x, target, steps, device)
+        runs["compiled_kernels"] = lambda: _time_steps(c_kernels, x, target, steps, device)
         runs["compiled_torch"] = lambda: _time_steps(c_plain, x, target, steps, device)
     t, best = _rounds(runs, rounds)
     if device != "cuda":
@@ -169,12 +179,40 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
     if compile_:
         row["compiled_speedup"] = t["compiled_torch"] / t["compiled_ours"]
         row["compiled_speedup_best"] = best["compiled_torch"] / best["compiled_ours"]
+        row["compiled_kernels_speedup"] = t["compiled_torch"] / t["compiled_kernels"]
+        row["compiled_kernels_speedup_best"] = best["compiled_torch"] / best["compiled_kernels"]
     return row
+
+
+class _OwnCompile(torch.nn.Module):
+    """``model`` under a forward of another code object: Dynamo caches a module's compile by its code (a copy
+    of a compiled model reuses the copy's graph), and this one is traced anew, with the environment of then."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def table(rows: list[dict]) -> str:
     head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup (best)", "control",
-            "host ours/torch (best)", "host py-path/torch", "host CPU ours/torch (best)", "compiled speedup (best)")
+            "host ours/torch (best)", "host py-path/torch", "host CPU ours/torch (best)", "compiled speedup (best)",
+            "compiled, our kernels at every size (best)")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([
@@ -182,7 +220,9 @@ def table(rows: list[dict]) -> str:
             f"{r['torch_ms']:.3f}", f"{r['speedup']:.2f} ({r['speedup_best']:.2f})", f"{r['control_speedup']:.2f}",
             f"{r['host_ratio']:.2f} ({r['host_ratio_best']:.2f})", f"{r['host_ratio_python_path']:.2f}",
             f"{r['cpu_ratio']:.2f} ({r['cpu_ratio_best']:.2f})" if "cpu_ratio" in r else "-",
-            f"{r['compiled_speedup']:.2f} ({r['compiled_speedup_best']:.2f})" if "compiled_speedup" in r else "-"]))
+            f"{r['compiled_speedup']:.2f} ({r['compiled_speedup_best']:.2f})" if "compiled_speedup" in r else "-",
+            f"{r['compiled_kernels_speedup']:.2f} ({r['compiled_kernels_speedup_best']:.2f})"
+            if "compiled_kernels_speedup" in r else "-"]))
     return "\n".join(lines)
 
 
