@@ -206,7 +206,8 @@ def fused_add_rmsnorm(
         fused = _ops.eager().fused_add_rmsnorm
         return (fused.grad if eager.needs_grad(input, residual, weight) else fused.nograd)(*args)
     if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
-        return reference(*args)
+        out, residual_out = reference(*args)
+        return out.contiguous(), residual_out.contiguous()  # as the kernel's outputs
     return fused_add_rmsnorm_op()(*args)
 
 
@@ -228,7 +229,7 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tor
         return (norm.grad if eager.needs_grad(input, weight) else norm.nograd)(*args)
     eps = _check_rms(input, weight, eps)
     if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
-        return _rms(input, weight, eps)
+        return _rms(input, weight, eps).contiguous()  # as the kernel's output
     return rms_norm_op()(input, weight, eps)
 
 

@@ -186,8 +186,8 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         return (op.grad if eager.needs_grad(lhs, rhs, bias) else op.nograd)(lhs, rhs, bias)
     if inline(lhs):  # a small call under torch.compile: as nn.Linear and nn.ReLU compile
         if bias is not None and lhs.dim() == 2 and rhs.dim() == 2:
-            return torch.relu(torch.addmm(bias, lhs, rhs))  # the bias added before rounding, as our epilogue does
-        return reference(lhs, rhs, bias)
+            return torch.relu(torch.addmm(bias, lhs, rhs)).contiguous()  # bias added before rounding, as ours
+        return reference(lhs, rhs, bias).contiguous()  # as the kernel's output
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 

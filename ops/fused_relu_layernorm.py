@@ -169,7 +169,7 @@ def fused_relu_layernorm(
         op = _ops.eager().fused_relu_layernorm
         y = op.grad(*args) if eager.needs_grad(x, weight, bias) else op.nograd(*args)
     elif inline(x):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
-        y = reference(x, weight, bias, eps)
+        y = reference(x, weight, bias, eps).contiguous()  # as the kernel's output
     else:
         y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)

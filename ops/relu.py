@@ -139,7 +139,7 @@ def relu(x: torch.Tensor) -> torch.Tensor:
             return ops.relu.grad(x)
         return ops.relu.nograd(x)
     if inline(x):  # a small call under torch.compile: Inductor fuses torch.relu with its neighbours
-        return reference(x)
+        return reference(x).contiguous()  # as the kernel's output
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]

@@ -137,7 +137,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         forward = _ops.eager().forward
         op = forward.grad if x.requires_grad and torch.is_grad_enabled() else forward.nograd
     elif inline(x):  # a small call under torch.compile: Inductor fuses torch.softmax with its neighbours
-        return reference(x, dim)
+        op = _definition  # in the layout the kernel's output has
     else:
         op = forward_op()
     if dim == ndim - 1 and ndim:
@@ -145,6 +145,10 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if ndim == 0:
         return op(x.reshape(1)).reshape(())
     return op(x.movedim(dim, -1)).movedim(-1, dim)
+
+
+def _definition(x: torch.Tensor) -> torch.Tensor:
+    return reference(x, -1).contiguous()
 
 
 class Softmax(nn.Module):

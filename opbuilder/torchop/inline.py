@@ -18,7 +18,9 @@ import torch
 
 from opbuilder import env
 
-_IS_COMPILING = torch.compiler.is_compiling
+# Dynamo's own flag: torch.compiler.is_compiling() is True in every thread while any compile runs (torch 2.14),
+# so an eager call in another thread would take the definition.
+_IS_DYNAMO_COMPILING = torch.compiler.is_dynamo_compiling
 
 
 def _below() -> int:
@@ -36,4 +38,10 @@ _below._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def inline(x: torch.Tensor) -> bool:
     """Whether a call on ``x`` traced by ``torch.compile`` (not export) takes the op's PyTorch definition."""
-    return _IS_COMPILING() and x.numel() < _below()
+    if not _IS_DYNAMO_COMPILING():
+        return False
+    # Imported here: Dynamo has imported it by now, and importing it costs an eager process sympy.
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    # A size known only at run time (unbacked: x = y[y > 0]) keeps the op rather than fail to compile.
+    return guard_or_false(x.numel() < _below())

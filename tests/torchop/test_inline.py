@@ -4,6 +4,7 @@ its neighbours), a call at or above ``OPB_COMPILE_INLINE_BELOW`` elements our ke
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from helpers import DEVICES
 from opbuilder import env
 
 
-def _graph_targets(fn, *args) -> list[str]:
+def _graph_targets(fn, *args, dynamic: bool | None = None) -> list[str]:
     """The functions Dynamo's graph of ``fn(*args)`` calls (fullgraph: a break raises)."""
     torch._dynamo.reset()
     graphs = []
@@ -24,7 +25,7 @@ def _graph_targets(fn, *args) -> list[str]:
         graphs.append(gm)
         return gm.forward
 
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
     return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
 
 
@@ -66,16 +67,76 @@ def test_small_calls_trace_the_definition_larger_ones_the_op(name: str, monkeypa
 def test_eager_calls_take_the_op_whatever_the_size(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fn, args = _calls("cpu")[name]
     monkeypatch.setenv("OPB_COMPILE_INLINE_BELOW", str(1 << 40))
-    seen = []
-
-    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
+    with _Spy() as spy:
         fn(*args)
-    assert _ours(seen) != [], seen
+    assert _ours(spy.seen) != [], spy.seen
+
+
+class _Spy(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops a call runs (this thread's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", list(_calls("cpu")))
+def test_a_non_contiguous_input_gives_the_kernels_layout(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The definitions' outputs are contiguous, as the kernels' are (a view of them works in the graph)."""
+    monkeypatch.delenv("OPB_COMPILE_INLINE_BELOW")
+    fn, args = _calls("cpu")[name]
+    args = (args[0].t().contiguous().t(), *args[1:])  # the same values, transposed strides
+    assert not args[0].is_contiguous()
+
+    def first_flat(*a):
+        out = fn(*a)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.view(-1), out
+
+    torch._dynamo.reset()
+    got_flat, got = torch.compile(first_flat, backend="aot_eager", fullgraph=True)(*args)
+    want_flat, want = first_flat(*args)
+    assert got.is_contiguous() and got.stride() == want.stride()
+    torch.testing.assert_close(got_flat, want_flat, rtol=1e-5, atol=1e-5)
+
+
+def test_a_size_known_only_at_run_time_keeps_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """x[x > 0] of a dynamic x has a size the trace cannot compare with the threshold: the op, not an error
+    (of a static x, the size is at most x's, below the threshold: the definition)."""
+    monkeypatch.delenv("OPB_COMPILE_INLINE_BELOW")
+    x = torch.randn(64, 8)
+    positive = lambda t: ops.relu(t[t > 0])  # noqa: E731
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        assert _ours(_graph_targets(positive, x, dynamic=True)) != []
+        assert _ours(_graph_targets(positive, x, dynamic=False)) == []
+        torch._dynamo.reset()
+        got = torch.compile(positive, backend="aot_eager", fullgraph=True, dynamic=True)(x)
+    torch.testing.assert_close(got, x[x > 0])
+
+
+def test_an_eager_call_in_another_thread_during_a_compile_takes_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compiler.is_compiling() is True in every thread while a compile runs (torch 2.14): the rule asks
+    Dynamo itself, so an eager call elsewhere meanwhile keeps our kernel."""
+    monkeypatch.delenv("OPB_COMPILE_INLINE_BELOW")
+    elsewhere = _Spy()
+
+    def eager_call() -> None:
+        with elsewhere:
+            ops.relu(torch.randn(8, 8))
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        thread = threading.Thread(target=eager_call)
+        thread.start()
+        thread.join()
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda t: ops.relu(t) + 1, backend=backend, fullgraph=True)(torch.randn(8, 8))
+    assert _ours(elsewhere.seen) != [], elsewhere.seen
 
 
 class _Model(nn.Module):
