@@ -55,6 +55,7 @@ class Router:
         self.picks: dict[Any, str] = {}  # the same choices by implementation name (report, tests)
         self.default_name = ""
         self.leave_later = False  # resolved to the direct path while Dynamo traced: leave ROUTES at the next call
+        self.tracing_thread = 0  # ... of that thread (its trace's guards are built by then)
         self.params: tuple[str, ...] = ()  # the function's parameters, in order (for calls by keyword)
         if final is not None:
             functools.update_wrapper(self, final)
@@ -147,7 +148,7 @@ def _resolve(op: str) -> bool:
 
     r = _ROUTERS[op]
     if r.table is not None:
-        if r.leave_later and not _tracing():
+        if r.leave_later and not _tracing() and threading.get_ident() == r.tracing_thread:
             ROUTES.pop(op, None)
             r.leave_later = False
         return op in ROUTES or op not in BUILDERS
@@ -235,9 +236,11 @@ def _resolve(op: str) -> bool:
 
 def _leave(op: str, r: Router) -> None:
     """The direct path: today's call plus one dict lookup. While Dynamo traces, the op stays in ROUTES
-    (its router sends the call to the body all the same): the guards made after the trace read it."""
+    (its router sends the call to the body all the same): the guards made after the trace read it. It leaves
+    at the tracing thread's next call, after those guards are built; a call of another thread meanwhile goes
+    through the router (its first eager call had removed the route under the guards being built)."""
     if _tracing():
-        r.leave_later = True
+        r.leave_later, r.tracing_thread = True, threading.get_ident()
     else:
         ROUTES.pop(op, None)
 

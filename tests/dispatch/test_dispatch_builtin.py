@@ -168,3 +168,33 @@ def test_report_shows_implementations_and_picks(relu_spy) -> None:
     assert "reference" in d["picks"].values() and "compiled" in d["picks"].values()
     text = dispatch_report.render({"relu": d})
     assert "relu" in text and "reference" in text
+
+
+def test_first_eager_call_elsewhere_while_a_trace_resolves_the_op() -> None:
+    """A trace resolves the op (its first call) while another thread makes its first eager call: the routes
+    Dynamo guards on stay as traced until the tracing thread's own next call (before: KeyError 'relu' from
+    Dynamo's guards, InternalTorchDynamoError), and the other thread's call runs the op all the same."""
+    import threading
+
+    dispatch.reset("relu")
+    results = []
+
+    def eager_call() -> None:
+        x = torch.randn(8, 8)
+        results.append(torch.equal(ops.relu(x), torch.relu(x)))
+
+    def backend(gm, example_inputs):
+        thread = threading.Thread(target=eager_call)
+        thread.start()
+        thread.join()
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 8)
+    compiled = torch.compile(lambda t: ops.relu(t) + 1, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.relu(x) + 1)
+    assert results == [True]
+    assert "relu" in dispatch.ROUTES  # left at this thread's next eager call
+    ops.relu(x)
+    assert "relu" not in dispatch.ROUTES
+    torch.testing.assert_close(compiled(x), torch.relu(x) + 1)

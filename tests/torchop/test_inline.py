@@ -134,8 +134,8 @@ def test_an_eager_call_in_another_thread_during_a_compile_takes_the_op(monkeypat
         thread.join()
         return gm.forward
 
-    # The op's first call made before: a first eager call in one thread while another traces the op's first call
-    # changes the routes Dynamo is guarding (InternalTorchDynamoError: KeyError 'relu'), with or without this rule.
+    # The op's first call made before, so that this tests the rule alone (a first call in each thread at once:
+    # tests/dispatch/test_dispatch_builtin.py).
     ops.relu(torch.randn(8, 8))
     torch._dynamo.reset()
     torch.compile(lambda t: ops.relu(t) + 1, backend=backend, fullgraph=True)(torch.randn(8, 8))
