@@ -26,7 +26,8 @@ _IS_DYNAMO_COMPILING = torch.compiler.is_dynamo_compiling
 def _below() -> int:
     # Run by Dynamo once per trace and taken as a constant (no guard): a change of the variable takes effect
     # when the code is traced again. Export keeps the op: torch's flag is read here, where Dynamo does not
-    # see it (Dynamo of torch 2.11 and 2.12 took ``torch.compiler.is_exporting()`` as True under torch.compile).
+    # see it (the Dynamo of torch 2.11, the GPU machine's, took ``torch.compiler.is_exporting()`` as True under
+    # torch.compile; 2.13 and 2.14 do not).
     if getattr(torch.compiler, "_is_exporting_flag", False):
         return 0
     return env.compile_inline_below()
