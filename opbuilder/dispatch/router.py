@@ -54,8 +54,9 @@ class Router:
         self.default: Callable[..., Any] = _continue
         self.picks: dict[Any, str] = {}  # the same choices by implementation name (report, tests)
         self.default_name = ""
-        self.leave_later = False  # resolved to the direct path while Dynamo traced: leave ROUTES at the next call
-        self.tracing_thread = 0  # ... of that thread (its trace's guards are built by then)
+        # Resolved to the direct path while Dynamo traced in this thread (its ident; 0: not): leave ROUTES at
+        # that thread's next call, when the trace's guards are built.
+        self.leave_in_thread = 0
         self.params: tuple[str, ...] = ()  # the function's parameters, in order (for calls by keyword)
         if final is not None:
             functools.update_wrapper(self, final)
@@ -137,7 +138,7 @@ def resolve(op: str) -> bool:
     when ``OPB_FALLBACK=0``, or when nothing at all can run.
     """
     r = _ROUTERS[op]
-    if r.table is not None and not r.leave_later:  # every call after the first: no lock
+    if r.table is not None and not r.leave_in_thread:  # every call after the first: no lock
         return True
     with _LOCK:  # two threads' first calls: one resolves, one warning
         return _resolve(op)
@@ -148,9 +149,9 @@ def _resolve(op: str) -> bool:
 
     r = _ROUTERS[op]
     if r.table is not None:
-        if r.leave_later and not _tracing() and threading.get_ident() == r.tracing_thread:
+        if r.leave_in_thread == threading.get_ident() and not _tracing():
             ROUTES.pop(op, None)
-            r.leave_later = False
+            r.leave_in_thread = 0
         return op in ROUTES or op not in BUILDERS
     failed: dict[str, BaseException] = {}
     if op in BUILDERS and op not in LISTED and not trace.any_for(op):
@@ -240,7 +241,7 @@ def _leave(op: str, r: Router) -> None:
     at the tracing thread's next call, after those guards are built; a call of another thread meanwhile goes
     through the router (its first eager call had removed the route under the guards being built)."""
     if _tracing():
-        r.leave_later, r.tracing_thread = True, threading.get_ident()
+        r.leave_in_thread = threading.get_ident()
     else:
         ROUTES.pop(op, None)
 
@@ -278,7 +279,7 @@ def reset(op: str | None = None) -> None:
         if name not in _ROUTERS and implementations.of(name):
             continue  # registered, not yet applied: no choice made yet, nothing to forget
         r = router(name)
-        r.table, r.picks, r.default, r.default_name, r.leave_later = None, {}, _continue, "", False
+        r.table, r.picks, r.default, r.default_name, r.leave_in_thread = None, {}, _continue, "", 0
         if name in BUILDERS:
             ROUTES[name] = r
 
