@@ -30,7 +30,6 @@ speedups beside it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -38,6 +37,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +152,7 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
         for model in (c_ours, c_plain):
             for _ in range(3):
                 _step(model, x, target)
-        with _env("OPB_COMPILE_INLINE_BELOW", "0"):
+        with mock.patch.dict(os.environ, {"OPB_COMPILE_INLINE_BELOW": "0"}):
             for _ in range(3):
                 _step(c_kernels, x, target)
         runs["compiled_ours"] = lambda: _time_steps(c_ours, x, target, steps, device)
@@ -194,19 +194,6 @@ class _OwnCompile(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def table(rows: list[dict]) -> str:
