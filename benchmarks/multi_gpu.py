@@ -15,8 +15,10 @@ Defaults: cuda + nccl when CUDA is available, else cpu + gloo; bf16 on CUDA, fp3
    time for its first call (its own build, or its wait for another rank's).
 2. Equality: the first step of each plan, both models from the same weights on the same data: the loss and
    every parameter's gradient of ours equal PyTorch's within the dtype's tolerance (relative norm error).
-3. Speed: steps per second (forward, backward, SGD step) of both models under each plan, taking turns in
-   rounds; the median round, the slowest rank's time. Printed by rank 0 and written to --json.
+3. Speed: steps per second (forward, backward, SGD step) of both models under each plan, the slowest rank's
+   time, in rounds that run both in a shuffled order (every rank the same: benchmarks/paired.py); the median
+   round of each, and the ratio ours / PyTorch as the median of the rounds' ratios with its 95 % interval.
+   Printed by rank 0 and written to --json.
 
 Exit status 1 when a check failed on any rank. The models are benchmarks/parallel_models.py's (DDP and FSDP2:
 ``FFNModel``, with FusedLinearReLU; TP+SP: ``Model``, whose linears tensor parallelism splits).
@@ -51,6 +53,7 @@ import opbuilder.ops as ops  # noqa: E402
 from opbuilder import env  # noqa: E402
 from opbuilder.torchop import cxx_autograd
 from opbuilder.jit.registry import names  # noqa: E402
+from paired import interleave, ratio  # noqa: E402
 from parallel_models import FFNModel, Model, exit_rank, sequence_parallel, twins  # noqa: E402  (beside this script)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -67,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on cuda, gloo on cpu")
     p.add_argument("--dtype", choices=list(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps per model and round (default 20)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds the two models take turns in (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each running both models in a shuffled order (default 3; 6 or "
+                   "more give an interval narrower than the range of the ratios)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     for name in ("dim", "hidden", "batch", "seq"):
         p.add_argument(f"--{name}", type=int, help=f"default: {SIZES['cpu'][name]} on cpu, {SIZES['cuda'][name]} on cuda")
@@ -250,12 +254,10 @@ def run_plan(plan: str, mesh, args, dtype: torch.dtype, device: torch.device) ->
     checks = compare(plan, ours, theirs, step_ours, step_theirs, dtype)
     for i in range(args.warmup):
         step_ours(i), step_theirs(i)
-    rounds = {"ours": [], "pytorch": []}
-    for _ in range(args.rounds):  # taking turns: a slow spell of the machine hits both
-        rounds["ours"].append(steps_per_second(step_ours, device, args.steps))
-        rounds["pytorch"].append(steps_per_second(step_theirs, device, args.steps))
+    rounds = interleave({"ours": lambda: steps_per_second(step_ours, device, args.steps),
+                         "pytorch": lambda: steps_per_second(step_theirs, device, args.steps)}, args.rounds)
     speed = {name: statistics.median(values) for name, values in rounds.items()}
-    speed["ratio"] = speed["ours"] / speed["pytorch"]
+    speed["ratio"], speed["ratio_low"], speed["ratio_high"] = ratio(rounds["ours"], rounds["pytorch"])
     speed["rounds"] = rounds
     del ours, theirs, step_ours, step_theirs  # DDP's reducer holds the group: freed before it is destroyed
     gc.collect()
@@ -276,10 +278,12 @@ def print_report(args, builds: dict, checks: list[dict], speeds: dict) -> None:
     print(f"\nchecks: {len(checks) - len(failed)} of {len(checks)} passed")
     for c in failed:
         print(f"  FAILED {c['name']}: {c['detail']}")
-    print(f"\nsteps/s (median of {args.rounds} rounds of {args.steps} steps, slowest rank)")
-    print(f"{'plan':<8}{'ours':>10}{'pytorch':>10}{'ratio':>8}")
+    print(f"\nsteps/s (median of {args.rounds} rounds of {args.steps} steps, slowest rank; ratio: the median of the "
+          "rounds' ratios, in brackets its 95 % interval)")
+    print(f"{'plan':<8}{'ours':>10}{'pytorch':>10}{'ratio':>8}  interval")
     for plan, s in speeds.items():
-        print(f"{plan:<8}{s['ours']:>10.2f}{s['pytorch']:>10.2f}{s['ratio']:>8.2f}")
+        print(f"{plan:<8}{s['ours']:>10.2f}{s['pytorch']:>10.2f}{s['ratio']:>8.2f}  [{s['ratio_low']:.2f}, "
+              f"{s['ratio_high']:.2f}]")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,11 +20,13 @@ their weights. For each model and size it prints, in one run:
 - with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's, and ours with
   our kernels at every size (``OPB_COMPILE_INLINE_BELOW=0``; by default small calls trace the ops' definitions).
 
-Rounds alternate the models (ours, PyTorch, ours, ...); the median round is kept, and the least round
-too (``best``: at dim 256 a step is host-bound and its time wanders by 10-15 % between rounds, and between
-identical copies of one model). A second copy of the PyTorch model is timed alike (``control``): its
-speedup against the first is what two identical models differ by in that run, the noise floor of the
-speedups beside it.
+Each round times every run once, in an order shuffled anew each round (benchmarks/paired.py); the times
+columns are the median round's. A speedup or ratio is the median of its per-round ratios (the two runs of
+one round are close in time, so a slow spell of the machine hits both) with a 95 % interval in brackets: at
+dim 256 a step is host-bound and its time wanders by 10-15 % between rounds, so a ratio is shown above or
+below 1 only where its interval lies there (``--rounds`` 25 or more narrows it). A second copy of the PyTorch
+model is timed alike (``control``): its speedup against the first is what two identical models differ by in
+that run.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from paired import interleave, ratio  # noqa: E402
 from parallel_models import FFNModel, Model, twins  # noqa: E402
 
 from opbuilder.torchop import cxx_autograd  # noqa: E402
@@ -97,16 +100,6 @@ def _host_steps(model, x, target, steps: int, device: str) -> float:
     return host
 
 
-def _rounds(runs: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(median, least) seconds of each run over ``rounds`` alternating rounds."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(run())
-    return ({name: statistics.median(ts) for name, ts in times.items()},
-            {name: min(ts) for name, ts in times.items()})
-
-
 def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device: str, steps: int, rounds: int,
             compile_: bool) -> dict:
     ours, plain = twins(cls, dim, hidden, dtype, device)
@@ -158,29 +151,24 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
         runs["compiled_ours"] = lambda: _time_steps(c_ours, x, target, steps, device)
         runs["compiled_kernels"] = lambda: _time_steps(c_kernels, x, target, steps, device)
         runs["compiled_torch"] = lambda: _time_steps(c_plain, x, target, steps, device)
-    t, best = _rounds(runs, rounds)
-    if device != "cuda":
-        for times in (t, best):
-            times.update(host_ours=times["ours"], host_ours_python=times["ours_python"], host_torch=times["torch"])
+    times = interleave(runs, rounds)
+    if device != "cuda":  # on the CPU the host time is the step time
+        times.update(host_ours=times["ours"], host_ours_python=times["ours_python"], host_torch=times["torch"])
     row = {"model": cls.__name__, "dim": dim, "hidden": hidden, "tokens": tokens, "device": device,
-           "dtype": str(dtype).removeprefix("torch."), "glue": cxx_autograd.state(),
-           **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
-    row.update({f"best_{k}_ms": v * 1e3 for k, v in best.items()})
-    row["speedup"] = t["torch"] / t["ours"]
-    row["speedup_best"] = best["torch"] / best["ours"]
-    row["control_speedup"] = t["torch"] / t["control"]
-    row["host_ratio_best"] = best["host_ours"] / best["host_torch"]
-    row["speedup_python_path"] = t["torch"] / t["ours_python"]
-    row["host_ratio"] = t["host_ours"] / t["host_torch"]
-    row["host_ratio_python_path"] = t["host_ours_python"] / t["host_torch"]
+           "dtype": str(dtype).removeprefix("torch."), "glue": cxx_autograd.state(), "rounds": rounds,
+           **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+           **{f"best_{k}_ms": min(v) * 1e3 for k, v in times.items()}}
+    # name: (numerator, denominator) of each per-round ratio: speedups are PyTorch's time over ours
+    pairs = {"speedup": ("torch", "ours"), "control_speedup": ("torch", "control"),
+             "speedup_python_path": ("torch", "ours_python"), "host_ratio": ("host_ours", "host_torch"),
+             "host_ratio_python_path": ("host_ours_python", "host_torch")}
     if device == "cuda":
-        row["cpu_ratio"] = t["cpu_ours"] / t["cpu_torch"]
-        row["cpu_ratio_best"] = best["cpu_ours"] / best["cpu_torch"]
+        pairs["cpu_ratio"] = ("cpu_ours", "cpu_torch")
     if compile_:
-        row["compiled_speedup"] = t["compiled_torch"] / t["compiled_ours"]
-        row["compiled_speedup_best"] = best["compiled_torch"] / best["compiled_ours"]
-        row["compiled_kernels_speedup"] = t["compiled_torch"] / t["compiled_kernels"]
-        row["compiled_kernels_speedup_best"] = best["compiled_torch"] / best["compiled_kernels"]
+        pairs.update(compiled_speedup=("compiled_torch", "compiled_ours"),
+                     compiled_kernels_speedup=("compiled_torch", "compiled_kernels"))
+    for name, (num, den) in pairs.items():
+        row[name], row[f"{name}_low"], row[f"{name}_high"] = ratio(times[num], times[den])
     return row
 
 
@@ -196,20 +184,23 @@ class _OwnCompile(torch.nn.Module):
         return self.model(x)
 
 
+def _interval(r: dict, name: str) -> str:
+    if name not in r:
+        return "-"
+    return f"{r[name]:.2f} [{r[name + '_low']:.2f}, {r[name + '_high']:.2f}]"
+
+
 def table(rows: list[dict]) -> str:
-    head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup (best)", "control",
-            "host ours/torch (best)", "host py-path/torch", "host CPU ours/torch (best)", "compiled speedup (best)",
-            "compiled, our kernels at every size (best)")
+    head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup", "control",
+            "host ours/torch", "host py-path/torch", "host CPU ours/torch", "compiled speedup",
+            "compiled, our kernels at every size")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([
             r["model"], str(r["dim"]), str(r["tokens"]), f"{r['ours_ms']:.3f}", f"{r['ours_python_ms']:.3f}",
-            f"{r['torch_ms']:.3f}", f"{r['speedup']:.2f} ({r['speedup_best']:.2f})", f"{r['control_speedup']:.2f}",
-            f"{r['host_ratio']:.2f} ({r['host_ratio_best']:.2f})", f"{r['host_ratio_python_path']:.2f}",
-            f"{r['cpu_ratio']:.2f} ({r['cpu_ratio_best']:.2f})" if "cpu_ratio" in r else "-",
-            f"{r['compiled_speedup']:.2f} ({r['compiled_speedup_best']:.2f})" if "compiled_speedup" in r else "-",
-            f"{r['compiled_kernels_speedup']:.2f} ({r['compiled_kernels_speedup_best']:.2f})"
-            if "compiled_kernels_speedup" in r else "-"]))
+            f"{r['torch_ms']:.3f}", *(_interval(r, name) for name in (
+                "speedup", "control_speedup", "host_ratio", "host_ratio_python_path", "cpu_ratio",
+                "compiled_speedup", "compiled_kernels_speedup"))]))
     return "\n".join(lines)
 
 
@@ -220,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="*", metavar="DIM,HIDDEN,TOKENS", help="default: " + str(SIZES))
     p.add_argument("--models", nargs="*", default=["FFNModel", "Model"], choices=["FFNModel", "Model"])
     p.add_argument("--steps", type=int, default=20, help="steps per timed run (default 20)")
-    p.add_argument("--rounds", type=int, default=9, help="timed runs per model (default 9; median and least kept)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds (default 9); each times every run once, in a shuffled order")
     p.add_argument("--threads", type=int, help="torch.set_num_threads on the CPU")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the whole model")
     p.add_argument("--json", type=Path, metavar="FILE")
@@ -246,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nTraining step, {device}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
-          f"C++ gradient path: {cxx_autograd.state()} (median of {args.rounds} runs of {args.steps} steps; in "
-          f"brackets the least run's; control: a copy of the PyTorch model against it):")
+          f"C++ gradient path: {cxx_autograd.state()} ({args.rounds} rounds of {args.steps} steps; times: the "
+          f"median round's; ratios: the median of the rounds' ratios, in brackets its 95 % interval; control: a "
+          f"copy of the PyTorch model against it):")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
