@@ -91,11 +91,13 @@ def _cpu_steps(model, x, target, steps: int, device: str) -> float:
 def _host_steps(model, x, target, steps: int, device: str) -> float:
     """Seconds per step of host work on CUDA: the steps are issued behind a long sleep kernel."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # ~1 s of GPU time at ~2 GHz: longer than issuing the steps
+    torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time at ~2 GHz: several times what issuing the steps takes
     start = time.perf_counter()
     for _ in range(steps):
         _step(model, x, target)
     host = (time.perf_counter() - start) / steps
+    if torch.cuda.current_stream().query():  # the GPU went idle before the host was done: not host time alone
+        raise RuntimeError(f"the GPU sleep ran out while {steps} steps were issued ({host * 1e3:.1f} ms a step)")
     torch.cuda.synchronize()
     return host
 
