@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int, help=f"default: {SIZES['cpu'][name]} on cpu, {SIZES['cuda'][name]} on cuda")
     p.add_argument("--json", metavar="FILE", help="write every number and check here (rank 0)")
     args = p.parse_args(argv)
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: expected 1 or more, got {getattr(args, name)}")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     for name, value in SIZES[args.device].items():

@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the whole model")
     p.add_argument("--json", type=Path, metavar="FILE")
     args = p.parse_args(argv)
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: expected 1 or more, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but this torch sees no GPU")
     if args.threads:

@@ -79,3 +79,14 @@ def test_every_round_runs_each_once_in_a_shuffled_order() -> None:
 def test_bad_rounds_are_named() -> None:
     with pytest.raises(ValueError, match="rounds: expected 1 or more, got 0"):
         paired.interleave({"a": lambda: 1.0}, 0)
+
+
+@pytest.mark.parametrize("script, arg", [("train_step.py", "--rounds"), ("multi_gpu.py", "--steps")])
+def test_the_benchmarks_name_a_bad_count(script: str, arg: str) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), arg, "0"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{arg}: expected 1 or more, got 0" in result.stderr and "Traceback" not in result.stderr
