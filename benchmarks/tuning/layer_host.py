@@ -1,5 +1,6 @@
 """Diagnostic (issue 23): host time of each of our layers against its PyTorch twin, at a model's shape
-(bf16, requires_grad), forward alone and forward+backward, issued behind a GPU sleep (least of rounds).
+(bf16, requires_grad), forward alone and forward+backward, issued behind a GPU sleep (least of rounds), and the
+forward+backward's CPU time of the whole process (every thread: the backward runs on the autograd engine's).
     python benchmarks/tuning/layer_host.py [--device cuda|cpu] [--tokens 1024] [--dim 256]
 """
 import argparse, time, torch, torch.nn as nn, torch.nn.functional as F
@@ -39,7 +40,7 @@ def first(out):
 
 def host(f, n):
     if dev == "cuda":
-        torch.cuda.synchronize(); torch.cuda._sleep(int(1e9))
+        torch.cuda.synchronize(); torch.cuda._sleep(int(2e8))  # ~0.1 s
     t0 = time.perf_counter()
     for _ in range(n):
         f()
@@ -48,8 +49,20 @@ def host(f, n):
         torch.cuda.synchronize()
     return t * 1e6
 
+def cpu(f, n):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.process_time()
+    for _ in range(n):
+        f()
+    t = (time.process_time() - t0) / n
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return t * 1e6
+
 print(f"{dev} {dt} tokens {a.tokens} dim {D}: host us per call, least of 9 rounds")
-print(f"{'layer':20s} {'fwd ours':>9s} {'fwd torch':>9s} {'ratio':>6s} {'f+b ours':>9s} {'f+b torch':>9s} {'ratio':>6s}")
+print(f"{'layer':20s} {'fwd ours':>9s} {'fwd torch':>9s} {'ratio':>6s} {'f+b ours':>9s} {'f+b torch':>9s} {'ratio':>6s}"
+      f" {'CPU ours':>9s} {'CPU torch':>9s} {'ratio':>6s}")
 for name, (ours, theirs, args) in pairs.items():
     ours, theirs = ours.to(dev, dt), theirs.to(dev, dt)
     res = {}
@@ -59,6 +72,8 @@ for name, (ours, theirs, args) in pairs.items():
             first(m(*args)).sum().backward()
         for _ in range(5):
             fwd(); fb()
-        res[label] = (min(host(fwd, 100) for _ in range(9)), min(host(fb, 20) for _ in range(9)))
-    (fo, bo), (ft, bt) = res["ours"], res["torch"]
-    print(f"{name:20s} {fo:9.2f} {ft:9.2f} {fo/ft:6.2f} {bo:9.2f} {bt:9.2f} {bo/bt:6.2f}", flush=True)
+        res[label] = (min(host(fwd, 100) for _ in range(9)), min(host(fb, 20) for _ in range(9)),
+                      min(cpu(fb, 200) for _ in range(9)))
+    (fo, bo, co), (ft, bt, ct) = res["ours"], res["torch"]
+    print(f"{name:20s} {fo:9.2f} {ft:9.2f} {fo/ft:6.2f} {bo:9.2f} {bt:9.2f} {bo/bt:6.2f} {co:9.2f} {ct:9.2f} {co/ct:6.2f}",
+          flush=True)
