@@ -53,7 +53,7 @@ import opbuilder.ops as ops  # noqa: E402
 from opbuilder import env  # noqa: E402
 from opbuilder.torchop import cxx_autograd
 from opbuilder.jit.registry import names  # noqa: E402
-from paired import interleave, ratio  # noqa: E402
+from paired import coverage, interleave, ratio  # noqa: E402
 from parallel_models import FFNModel, Model, exit_rank, sequence_parallel, twins  # noqa: E402  (beside this script)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on cuda, gloo on cpu")
     p.add_argument("--dtype", choices=list(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--steps", type=int, default=20, help="timed steps per model and round (default 20)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each running both models in a shuffled order (default 3; 6 or "
-                   "more give an interval narrower than the range of the ratios)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds, each running both models in a shuffled order (default 9; 6 or "
+                   "more give a 95 %% interval, 9 or more one narrower than the range of the ratios)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     for name in ("dim", "hidden", "batch", "seq"):
         p.add_argument(f"--{name}", type=int, help=f"default: {SIZES['cpu'][name]} on cpu, {SIZES['cuda'][name]} on cuda")
@@ -282,7 +282,7 @@ def print_report(args, builds: dict, checks: list[dict], speeds: dict) -> None:
     for c in failed:
         print(f"  FAILED {c['name']}: {c['detail']}")
     print(f"\nsteps/s (median of {args.rounds} rounds of {args.steps} steps, slowest rank; ratio: the median of the "
-          "rounds' ratios, in brackets its 95 % interval)")
+          f"rounds' ratios, in brackets its {coverage(args.rounds) * 100:.0f} % interval)")
     print(f"{'plan':<8}{'ours':>10}{'pytorch':>10}{'ratio':>8}  interval")
     for plan, s in speeds.items():
         print(f"{plan:<8}{s['ours']:>10.2f}{s['pytorch']:>10.2f}{s['ratio']:>8.2f}  [{s['ratio_low']:.2f}, "

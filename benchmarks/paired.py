@@ -4,8 +4,9 @@ A host-bound training step's time drifts by 5-15 % from one second to the next. 
 timed run once per round, in an order shuffled anew each round (a fixed order lets what ran before a run, a
 cold cache or a queue left full, bias it the same way every round); ``ratio`` pairs the two runs' times round
 by round, so a drift that hits both cancels, and gives the median of those ratios with a distribution-free
-95 % interval (the binomial order statistics of the median): where the interval lies above 1, the first run is
-shown faster in that run; where it contains 1, the difference is not resolved.
+95 % interval (the binomial order statistics of the median; from 6 rounds on, and narrower than the range of the
+ratios from 9): where the interval lies above 1, the first run is shown faster in that run; where it contains 1,
+the difference is not resolved. ``coverage`` says what an interval of fewer rounds covers.
 """
 
 from __future__ import annotations
@@ -37,13 +38,20 @@ def order_rank(n: int, level: float = LEVEL) -> int:
     """The 1-based rank k whose order statistics (k-th least and k-th greatest of n) bound the median with at
     least ``level`` coverage; 0 where no k does (n too small for that level)."""
     tail = (1.0 - level) / 2.0
-    k, below = 0, 0.0
+    k, below = 0, 0
     while k < n:
-        below += math.comb(n, k) / 2.0**n  # P(fewer than k + 1 of n samples fall below the median)
-        if below > tail:
+        below += math.comb(n, k)  # / 2**n: P(fewer than k + 1 of n samples fall below the median)
+        if below / (1 << n) > tail:  # exact integers: no overflow at any n
             break
         k += 1
     return k
+
+
+def coverage(n: int, level: float = LEVEL) -> float:
+    """How often the interval ``ratio`` gives for ``n`` rounds holds the median: ``level`` or more from 6 rounds
+    on; below that the interval is the whole range of the ratios, which holds it 1 - 2 / 2**n of the time."""
+    k = max(order_rank(n, level), 1)
+    return 1.0 - 2 * sum(math.comb(n, i) for i in range(k)) / (1 << n)  # exact integers, then one division
 
 
 def ratio(num: list[float], den: list[float], level: float = LEVEL) -> tuple[float, float, float]:

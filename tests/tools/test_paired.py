@@ -33,6 +33,15 @@ def test_known_ranks() -> None:
     assert [paired.order_rank(n) for n in (5, 6, 9, 25)] == [0, 1, 2, 8]
 
 
+def test_the_coverage_said_is_the_intervals() -> None:
+    # below 6 rounds the interval is the whole range: 1 - 2 / 2**n; from 6 on the binomial one, >= 95 %
+    assert [paired.coverage(n) for n in (1, 3, 5)] == [0.0, 0.75, 0.9375]
+    assert paired.coverage(6) == pytest.approx(1 - 2 / 64) and paired.coverage(9) == pytest.approx(1 - 20 / 512)
+    assert all(paired.coverage(n) >= paired.LEVEL for n in range(6, 80))
+    # many rounds: exact integers, no float overflow of 2**n
+    assert paired.order_rank(3000) > 1400 and paired.coverage(3000) >= paired.LEVEL
+
+
 def test_the_ratio_pairs_rounds() -> None:
     # each round's ratio is 1.1 while the runs' times drift 4x: the ratio of the medians would not say so
     den = [1.0, 4.0, 2.0, 3.0, 1.5, 2.5, 3.5, 1.2, 2.2]
@@ -50,6 +59,7 @@ def test_the_interval_is_order_statistics() -> None:
     assert (median, low, high) == (1.05, 0.9, 1.2)  # 9 rounds: the 2nd least and the 2nd greatest
     assert paired.verdict(low, high) == "~1"
     assert paired.verdict(0.8, 0.99) == "<1"
+    assert paired.verdict(1.0, 1.2) == "~1" and paired.verdict(0.9, 1.0) == "~1"  # an end at 1 holds 1
     # too few rounds for 95 %: the whole range, and an even count's median is the mean of the middle two
     assert paired.ratio([1.0, 2.0, 3.0, 4.0], [1.0] * 4) == (2.5, 1.0, 4.0)
 
