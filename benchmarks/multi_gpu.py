@@ -17,8 +17,8 @@ Defaults: cuda + nccl when CUDA is available, else cpu + gloo; bf16 on CUDA, fp3
    every parameter's gradient of ours equal PyTorch's within the dtype's tolerance (relative norm error).
 3. Speed: steps per second (forward, backward, SGD step) of both models under each plan, the slowest rank's
    time, in rounds that run both in a shuffled order (every rank the same: benchmarks/paired.py); the median
-   round of each, and the ratio ours / PyTorch as the median of the rounds' ratios with its 95 % interval.
-   Printed by rank 0 and written to --json.
+   round of each, and the ratio ours / PyTorch as the median of the rounds' ratios with its 95 % interval and
+   where that lies against 1 (>1, <1, or ~1: holds it). Printed by rank 0 and written to --json.
 
 Exit status 1 when a check failed on any rank. The models are benchmarks/parallel_models.py's (DDP and FSDP2:
 ``FFNModel``, with FusedLinearReLU; TP+SP: ``Model``, whose linears tensor parallelism splits).
@@ -53,7 +53,7 @@ import opbuilder.ops as ops  # noqa: E402
 from opbuilder import env  # noqa: E402
 from opbuilder.torchop import cxx_autograd
 from opbuilder.jit.registry import names  # noqa: E402
-from paired import coverage, interleave, ratio  # noqa: E402
+from paired import coverage, interleave, ratio, verdict  # noqa: E402
 from parallel_models import FFNModel, Model, exit_rank, sequence_parallel, twins  # noqa: E402  (beside this script)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -283,10 +283,10 @@ def print_report(args, builds: dict, checks: list[dict], speeds: dict) -> None:
         print(f"  FAILED {c['name']}: {c['detail']}")
     print(f"\nsteps/s (median of {args.rounds} rounds of {args.steps} steps, slowest rank; ratio: the median of the "
           f"rounds' ratios, in brackets its {coverage(args.rounds) * 100:.0f} % interval)")
-    print(f"{'plan':<8}{'ours':>10}{'pytorch':>10}{'ratio':>8}  interval")
+    print(f"{'plan':<8}{'ours':>10}{'pytorch':>10}{'ratio':>8}  interval      against 1")
     for plan, s in speeds.items():
         print(f"{plan:<8}{s['ours']:>10.2f}{s['pytorch']:>10.2f}{s['ratio']:>8.2f}  [{s['ratio_low']:.2f}, "
-              f"{s['ratio_high']:.2f}]")
+              f"{s['ratio_high']:.2f}]  {verdict(s['ratio_low'], s['ratio_high'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
