@@ -82,15 +82,30 @@ def _register(ns: str) -> None:
         ctx.save_for_backward(lhs, rhs, output)
         ctx.bias_shape = None if bias is None else bias.shape
 
+    @fakes.register_fake(f"{ns}::relu_bias_backward")
+    def _(grad: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if grad.dim() != 2 or out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device:
+            _check_relu_bias(grad, out)
+        return grad.new_empty(grad.shape), grad.new_empty(grad.shape[1:])
+
+    lib = getattr(torch.ops, ns)
+
     def backward(ctx, grad: torch.Tensor):
         lhs, rhs, out = ctx.saved_tensors
-        # relu's mask from the saved output (out > 0), in one pass, as aten's relu backward does.
-        grad_pre = torch.ops.aten.threshold_backward(grad, out, 0)
+        want_bias = ctx.bias_shape is not None and ctx.needs_input_grad[2]
+        grad_bias = None
+        if (want_bias and len(ctx.bias_shape) == 1 and grad.dim() == 2 and grad.shape == out.shape
+                and ctx.bias_shape[0] == grad.shape[1] and type(grad) is torch.Tensor and type(out) is torch.Tensor
+                and not torch.is_grad_enabled()):
+            # relu's mask and the bias's gradient in one pass (the C++ path's choice, kernels/autograd).
+            grad_pre, grad_bias = lib.relu_bias_backward.default(grad, out)
+        else:
+            # relu's mask from the saved output (out > 0), in one pass, as aten's relu backward does.
+            grad_pre = torch.ops.aten.threshold_backward(grad, out, 0)
+            if want_bias:
+                grad_bias = _sum_to(grad_pre, ctx.bias_shape)
         grad_lhs = _grad_lhs(grad_pre, lhs, rhs) if ctx.needs_input_grad[0] else None
         grad_rhs = _grad_rhs(grad_pre, lhs, rhs) if ctx.needs_input_grad[1] else None
-        grad_bias = None
-        if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
-            grad_bias = _sum_to(grad_pre, ctx.bias_shape)
         return grad_lhs, grad_rhs, grad_bias
 
     eager.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)
@@ -99,6 +114,9 @@ def _register(ns: str) -> None:
     # cannot be applied to partial sums.
     sharding.matmul(getattr(getattr(torch.ops, ns), _OP).default)
     sharding.matmul(getattr(getattr(torch.ops, ns), _OP).nograd)
+    # relu_bias_backward reads its rows whole and sums them into the bias's gradient (Partial where the
+    # rows are split); it is linear in the incoming gradient.
+    sharding.rowwise(lib.relu_bias_backward.default, reduced=[1], linear=["grad"])
 
 
 _ops = LazyOps(_OP, _register)
@@ -107,6 +125,25 @@ _ops = LazyOps(_OP, _register)
 def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
     """The loaded Torch op (``torch.ops.opb_fused_matmul_add_relu_<key>.fused_matmul_add_relu.default``)."""
     return _ops().fused_matmul_add_relu.default
+
+
+def relu_bias_backward_op() -> torch._ops.OpOverload:
+    """The loaded backward op ``(grad, out) -> (grad_pre, grad_bias)`` of the 2-D case: ``grad_pre =
+    threshold_backward(grad, out, 0)``, ``grad_bias = grad_pre.sum(0)``, in one pass; builds on first use."""
+    return _ops().relu_bias_backward.default
+
+
+def _check_relu_bias(grad: torch.Tensor, out: torch.Tensor) -> None:
+    """The op's own checks, for its fake (shapes and devices a meta call would not catch)."""
+    name = "relu_bias_backward"
+    if grad.dim() != 2:
+        raise ValueError(f"{name}: grad must be 2-D [M, N], got shape {list(grad.shape)}")
+    if out.dtype != grad.dtype:
+        raise TypeError(f"{name}: out must have grad's dtype {grad.dtype}, got {out.dtype}")
+    if out.device != grad.device:
+        raise ValueError(f"{name}: out must be on grad's device {grad.device}, got {out.device}")
+    if out.shape != grad.shape:
+        raise ValueError(f"{name}: out must have grad's shape {list(grad.shape)}, got {list(out.shape)}")
 
 
 def _check_devices(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:

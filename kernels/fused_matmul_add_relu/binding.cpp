@@ -3,11 +3,13 @@
 // out = relu(lhs @ rhs + bias). lhs: [M, K] or [B, M, K]; rhs: [K, N] or [B, K, N] (a batch of 1, or
 // a 2-D operand, broadcasts); bias: broadcastable to out ([N] is the common case), or None.
 // fused_matmul_add_relu.nograd: the same with no autograd formula, what a call that records no gradient
-// takes (ops/fused_matmul_add_relu.py registers none for it).
+// takes (ops/fused_matmul_add_relu.py registers none for it). relu_bias_backward: the backward's ReLU
+// and bias terms for the 2-D case, one pass (the C++ gradient path's, kernels/autograd).
 #include <opbuilder/stable.h>
 
 #include <array>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>
@@ -113,6 +115,45 @@ Tensor forward_cpu(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
   opb::fused_matmul_add_relu::bias_relu_cpu(out.mutable_data_ptr(), b.data, s.batch, s.m, s.n, b.sb, b.sr, b.sc,
                                             dtype);
   return out;
+}
+
+constexpr const char* kBwd = "relu_bias_backward";
+
+// relu_bias_backward(grad, out) -> (grad_pre, grad_bias): the backward's ReLU and bias terms of the 2-D
+// (linear layer's) case in one pass, for the C++ gradient path: grad_pre = threshold_backward(grad, out, 0)
+// and grad_bias = grad_pre.sum(0).
+std::tuple<Tensor, Tensor> relu_bias_backward(Tensor grad, Tensor out) {
+  const opb::DType dtype = opb::dtype_of(grad, kBwd, "grad");
+  STD_TORCH_CHECK(grad.dim() == 2, kBwd, ": grad must be 2-D [M, N], got shape ", opb::shape_str(grad.sizes()));
+  STD_TORCH_CHECK(out.scalar_type() == grad.scalar_type(), kBwd, ": out must have grad's dtype ",
+                  grad.scalar_type(), ", got ", out.scalar_type());
+  STD_TORCH_CHECK(opb::same_device(out, grad), kBwd, ": out must be on grad's device ", opb::device_str(grad),
+                  ", got ", opb::device_str(out));
+  STD_TORCH_CHECK(opb::same_shape(out, grad), kBwd, ": out must have grad's shape ", opb::shape_str(grad.sizes()),
+                  ", got ", opb::shape_str(out.sizes()));
+  const Tensor g = opb::contiguous(grad), o = opb::contiguous(out);
+  const int64_t rows = g.size(0), cols = g.size(1);
+  Tensor grad_pre = opb::new_output(g);
+  Tensor grad_bias = opb::new_tensor(g, {cols}, g.scalar_type());
+  if (rows == 0 || cols == 0) return {grad_pre, torch::stable::zero_(grad_bias)};
+  if (g.is_cpu()) {
+    opb::fused_matmul_add_relu::relu_bias_backward_cpu(g.const_data_ptr(), o.const_data_ptr(),
+                                                       grad_pre.mutable_data_ptr(), grad_bias.mutable_data_ptr(), rows,
+                                                       cols, dtype);
+  } else {
+#ifdef OPB_WITH_CUDA
+    const auto guard = opb::device_guard(g);
+    const int64_t ws_bytes = opb::fused_matmul_add_relu::relu_bias_workspace_bytes(rows, cols, dtype);
+    Tensor ws;
+    if (ws_bytes > 0) ws = opb::new_tensor(g, {ws_bytes}, opb::ScalarType::Byte);
+    opb::check_launch(opb::fused_matmul_add_relu::launch_relu_bias_backward(
+                          g.const_data_ptr(), o.const_data_ptr(), grad_pre.mutable_data_ptr(),
+                          grad_bias.mutable_data_ptr(), ws_bytes > 0 ? ws.mutable_data_ptr() : nullptr, rows, cols,
+                          dtype, opb::stream_of(g)),
+                      kBwd);
+#endif
+  }
+  return {grad_pre, grad_bias};
 }
 
 #ifdef OPB_WITH_CUDA
@@ -247,16 +288,19 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
 OPB_LIBRARY(m) {
   m.def("fused_matmul_add_relu(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
   m.def("fused_matmul_add_relu.nograd(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
+  m.def("relu_bias_backward(Tensor grad, Tensor out) -> (Tensor, Tensor)");
 }
 
 OPB_LIBRARY_IMPL(CPU, m) {
   m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cpu));
   m.impl("fused_matmul_add_relu.nograd", TORCH_BOX(&forward_cpu));
+  m.impl("relu_bias_backward", TORCH_BOX(&relu_bias_backward));
 }
 
 #ifdef OPB_WITH_CUDA
 OPB_LIBRARY_IMPL(CUDA, m) {
   m.impl("fused_matmul_add_relu", TORCH_BOX(&forward_cuda));
   m.impl("fused_matmul_add_relu.nograd", TORCH_BOX(&forward_cuda));
+  m.impl("relu_bias_backward", TORCH_BOX(&relu_bias_backward));
 }
 #endif

@@ -1,7 +1,11 @@
 // fused_matmul_add_relu's C++ gradient path (kernels/autograd/autograd.h):
-// fused_matmul_add_relu.grad(lhs, rhs, bias?) -> y. The backward is ATen's: relu's mask from the saved y
-// (threshold_backward), then the GEMMs of matmul's backward, summed over broadcast dims. The registered
-// overload (bind_registered) gets the same kernel, with the op itself below autograd.
+// fused_matmul_add_relu.grad(lhs, rhs, bias?) -> y. The backward: relu's mask from the saved y, then the
+// GEMMs of matmul's backward, summed over broadcast dims. In the linear layer's case (2-D, a [N] bias whose
+// gradient is wanted, plain tensors, no graph of the backward recorded) the mask and the bias's gradient
+// come from one pass of the op's relu_bias_backward; otherwise ATen's threshold_backward and sum, whose
+// own formulas give double backward and whose rules serve tensor subclasses (DTensor, and the fake tensors
+// torch.compile traces with, where Inductor fuses them itself). The registered overload
+// (bind_registered) gets the same kernel, with the op itself below autograd.
 #pragma once
 
 #include <ATen/ops/matmul.h>
@@ -9,12 +13,19 @@
 #include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
 
+#include <optional>
+#include <tuple>
+
 #include <autograd/autograd.h>
 
 namespace opb::autograd::fused_matmul_add_relu {
 
 using Opt = const std::optional<Tensor>&;
 using Forward = Tensor(const Tensor&, const Tensor&, Opt);
+using ReluBias = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&);
+
+// Whether `t` is a plain tensor: no Python dispatch key (a DTensor, a fake or functional tensor, ...).
+inline bool plain(const Tensor& t) { return !t.key_set().has(c10::DispatchKey::Python); }
 
 inline Tensor reduce_to(const Tensor& grad, c10::IntArrayRef shape) {
   return grad.sizes() == shape ? grad : grad.sum_to_size(shape);
@@ -36,25 +47,33 @@ struct Backward final : torch::autograd::Node {
   SavedVariable lhs, rhs, y;
   std::vector<int64_t> bias_shape;
   bool has_bias = false;
+  std::optional<c10::TypedOperatorHandle<ReluBias>> relu_bias;  // set by kernel(): handles have no default
 
   variable_list apply(variable_list&& grads) override {
-    // Every step is an ATen op with its own formula: double backward works.
+    // With create_graph, every step is an ATen op with its own formula: double backward works.
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
-    Tensor a = lhs.unpack(), b = rhs.unpack();
-    Tensor grad_pre = at::threshold_backward(grads[0], y.unpack(getptr()), 0);
+    Tensor a = lhs.unpack(), b = rhs.unpack(), out = y.unpack(getptr());
     const bool need_a = task_should_compute_output(0), need_b = task_should_compute_output(1);
     const bool need_c = has_bias && task_should_compute_output(2);
+    const Tensor& g = grads[0];
     if (a.dim() == 2 && b.dim() == 2) {
       // The linear layer's case, as aten's AddmmBackward does it: two mm and a column sum, no matmul or
       // sum_to_size (composites that cost several dispatches each).
+      Tensor grad_pre, gc;
+      if (need_c && bias_shape.size() == 1 && bias_shape[0] == out.size(1) && g.sizes() == out.sizes() &&
+          plain(g) && plain(out) && !torch::autograd::GradMode::is_enabled()) {
+        std::tie(grad_pre, gc) = below(*relu_bias, g, out);
+      } else {
+        grad_pre = at::threshold_backward(g, out, 0);
+        if (need_c) gc = bias_shape.size() == 1 && bias_shape[0] == grad_pre.size(1) ? at::sum(grad_pre, 0)
+                                                                                     : reduce_to(grad_pre, bias_shape);
+      }
       Tensor ga = need_a ? at::mm(grad_pre, b.t()) : Tensor();
       Tensor gb;
       if (need_b) gb = b.stride(0) == 1 && b.stride(1) != 1 ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
-      Tensor gc;
-      if (need_c) gc = bias_shape.size() == 1 && bias_shape[0] == grad_pre.size(1) ? at::sum(grad_pre, 0)
-                                                                                   : reduce_to(grad_pre, bias_shape);
       return {ga, gb, gc};
     }
+    Tensor grad_pre = at::threshold_backward(g, out, 0);
     Tensor ga = need_a ? reduce_to(at::matmul(grad_pre, b.mT()), a.sizes()) : Tensor();
     Tensor gb = need_b ? grad_rhs(grad_pre, a, b) : Tensor();
     Tensor gc = need_c ? reduce_to(grad_pre, bias_shape) : Tensor();
@@ -70,8 +89,8 @@ struct Backward final : torch::autograd::Node {
 
 // The Autograd kernel, with `forward` the op run below autograd (the nograd overload for .grad, the
 // registered op itself for its own).
-inline auto kernel(c10::TypedOperatorHandle<Forward> forward) {
-  return [forward](const Tensor& lhs, const Tensor& rhs, Opt bias) -> Tensor {
+inline auto kernel(c10::TypedOperatorHandle<Forward> forward, c10::TypedOperatorHandle<ReluBias> relu_bias) {
+  return [forward, relu_bias](const Tensor& lhs, const Tensor& rhs, Opt bias) -> Tensor {
     Tensor y = below(forward, lhs, rhs, bias);
     const Tensor c = or_undefined(bias);
     if (torch::autograd::compute_requires_grad(lhs, rhs, c)) {
@@ -79,6 +98,7 @@ inline auto kernel(c10::TypedOperatorHandle<Forward> forward) {
       node->lhs = SavedVariable(lhs, false);
       node->rhs = SavedVariable(rhs, false);
       node->has_bias = c.defined();
+      node->relu_bias = relu_bias;
       if (c.defined()) node->bias_shape = c.sizes().vec();
       set_grad_fn({y}, node);
       node->y = SavedVariable(y, true);
@@ -90,7 +110,8 @@ inline auto kernel(c10::TypedOperatorHandle<Forward> forward) {
 inline std::vector<std::string> bind_registered(Registrar& r) {
   r.lib.impl("fused_matmul_add_relu",
              torch::dispatch(c10::DispatchKey::Autograd,
-                             [k = kernel(find<Forward>(r.ns, "fused_matmul_add_relu", ""))](
+                             [k = kernel(find<Forward>(r.ns, "fused_matmul_add_relu", ""),
+                                         find<ReluBias>(r.ns, "relu_bias_backward", ""))](
                                  const Tensor& lhs, const Tensor& rhs, Opt bias) {
                                no_forward_ad("fused_matmul_add_relu", lhs, rhs, or_undefined(bias));
                                return k(lhs, rhs, bias);
@@ -100,8 +121,10 @@ inline std::vector<std::string> bind_registered(Registrar& r) {
 
 inline void bind(Registrar& r) {
   r.lib.def("fused_matmul_add_relu.grad(Tensor lhs, Tensor rhs, Tensor? bias) -> Tensor");
-  r.lib.impl("fused_matmul_add_relu.grad", torch::dispatch(c10::DispatchKey::Autograd,
-                                                          kernel(find<Forward>(r.ns, "fused_matmul_add_relu", "nograd"))));
+  r.lib.impl("fused_matmul_add_relu.grad",
+             torch::dispatch(c10::DispatchKey::Autograd,
+                             kernel(find<Forward>(r.ns, "fused_matmul_add_relu", "nograd"),
+                                    find<ReluBias>(r.ns, "relu_bias_backward", ""))));
 }
 
 }  // namespace opb::autograd::fused_matmul_add_relu

@@ -1,5 +1,5 @@
-// fused_matmul_add_relu's CPU epilogue: one pass over the GEMM's output adding the (broadcast) bias
-// and applying ReLU, rows in parallel.
+// fused_matmul_add_relu on the CPU: the forward's epilogue (one pass over the GEMM's output adding the
+// broadcast bias and applying ReLU, rows in parallel) and the backward's ReLU + bias pass.
 #include "fused_matmul_add_relu_cpu.h"
 
 #include <torch/csrc/stable/ops.h>
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "common/acc_type.h"
 
@@ -49,7 +50,63 @@ void bias_relu_typed(T* out, const T* bias, int64_t batch, int64_t rows, int64_t
   });
 }
 
+// Rows a task of the backward takes: a fixed count (not one per thread), so the sums' order, and with it
+// the result, is the same whatever the thread count.
+int64_t rows_per_chunk(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+
+template <typename T>
+void relu_bias_backward_typed(const T* grad, const T* out, T* grad_pre, T* grad_bias, int64_t rows, int64_t cols) {
+  using A = acc_t<T>;
+  const int64_t per = rows_per_chunk(cols);
+  const int64_t chunks = (rows + per - 1) / per;
+  std::vector<A> partial(static_cast<size_t>(chunks * cols), A(0));
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ch = begin; ch < end; ++ch) {
+      A* acc = partial.data() + ch * cols;
+      const int64_t r1 = std::min(rows, (ch + 1) * per);
+      for (int64_t r = ch * per; r < r1; ++r) {
+        const T* g = grad + r * cols;
+        const T* o = out + r * cols;
+        T* d = grad_pre + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          // As threshold_backward: zero where out <= 0, the gradient elsewhere (NaN out included).
+          const bool off = static_cast<A>(o[c]) <= A(0);
+          d[c] = off ? static_cast<T>(A(0)) : g[c];
+          acc[c] += off ? A(0) : static_cast<A>(g[c]);
+        }
+      }
+    }
+  });
+  torch::stable::parallel_for(0, cols, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      A s = A(0);
+      for (int64_t ch = 0; ch < chunks; ++ch) s += partial[ch * cols + c];
+      grad_bias[c] = static_cast<T>(s);
+    }
+  });
+}
+
 }  // namespace
+
+void relu_bias_backward_cpu(const void* grad, const void* out, void* grad_pre, void* grad_bias, int64_t rows,
+                            int64_t cols, DType dtype) {
+  if (rows <= 0 || cols <= 0) return;
+  switch (dtype) {
+    case DType::Float32:
+      return relu_bias_backward_typed(static_cast<const float*>(grad), static_cast<const float*>(out),
+                                      static_cast<float*>(grad_pre), static_cast<float*>(grad_bias), rows, cols);
+    case DType::Float16:
+      return relu_bias_backward_typed(static_cast<const Half*>(grad), static_cast<const Half*>(out),
+                                      static_cast<Half*>(grad_pre), static_cast<Half*>(grad_bias), rows, cols);
+    case DType::BFloat16:
+      return relu_bias_backward_typed(static_cast<const BFloat16*>(grad), static_cast<const BFloat16*>(out),
+                                      static_cast<BFloat16*>(grad_pre), static_cast<BFloat16*>(grad_bias), rows,
+                                      cols);
+    case DType::Float64:
+      return relu_bias_backward_typed(static_cast<const double*>(grad), static_cast<const double*>(out),
+                                      static_cast<double*>(grad_pre), static_cast<double*>(grad_bias), rows, cols);
+  }
+}
 
 void bias_relu_cpu(void* out, const void* bias, int64_t batch, int64_t rows, int64_t cols, int64_t bias_sb,
                    int64_t bias_sr, int64_t bias_sc, DType dtype) {

@@ -10,4 +10,5 @@ class FusedMatmulAddReluBuilder(BuiltinBuilder):
             "fused_matmul_add_relu/binding.cpp",
             "fused_matmul_add_relu/fused_matmul_add_relu_cpu.cpp",
             "fused_matmul_add_relu/fused_matmul_add_relu.cu",
+            "fused_matmul_add_relu/relu_bias_backward.cu",
         ]

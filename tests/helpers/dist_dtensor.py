@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import opbuilder.ops as ops
 from opbuilder.ops.fused_add_rmsnorm import fused_add_rmsnorm_backward_op
+from opbuilder.ops.fused_matmul_add_relu import relu_bias_backward_op
 from opbuilder.ops.fused_relu_layernorm import fused_relu_layernorm_backward_op, fused_relu_layernorm_op
 from opbuilder.ops.relu import relu_mask_backward_op, relu_mask_op
 from opbuilder.ops.softmax import backward_op as softmax_backward_op
@@ -174,6 +175,16 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
         _, mask = relu_mask_op()(x)
         close("relu mask backward", relu_mask_backward_op()(partial_of(mesh, g), dt(mask)),
               relu_mask_backward_op()(g, mask))
+        g2, y2 = torch.randn(7, 6, dtype=DTYPE), torch.randn(7, 6, dtype=DTYPE)
+        want = relu_bias_backward_op()(g2, y2)
+        got = relu_bias_backward_op()(partial_of(mesh, g2), dt(y2))
+        for i, (a, c) in enumerate(zip(got, want)):
+            assert a.placements == (Partial(),), a.placements
+            close(f"relu_bias_backward output {i}", a, c)
+        got = relu_bias_backward_op()(distribute_tensor(g2, mesh, [S(0)]), distribute_tensor(y2, mesh, [S(0)]))
+        assert got[1].placements == (Partial(),), got[1].placements
+        for i, (a, c) in enumerate(zip(got, want)):
+            close(f"relu_bias_backward rows split, output {i}", a, c)
 
     # affine_grads (a bool) changes the shapes of grad_weight and grad_bias: DTensor must not reuse the
     # shapes it cached for the other value.

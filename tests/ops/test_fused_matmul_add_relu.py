@@ -10,7 +10,12 @@ import torch
 from helpers import DEVICES, requires_cuda, run_python
 from torch import nn
 
-from opbuilder.ops.fused_matmul_add_relu import FusedLinearReLU, fused_matmul_add_relu, fused_matmul_add_relu_op
+from opbuilder.ops.fused_matmul_add_relu import (
+    FusedLinearReLU,
+    fused_matmul_add_relu,
+    fused_matmul_add_relu_op,
+    relu_bias_backward_op,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -293,7 +298,8 @@ def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shapes", GRAD_CASES[:5] + [((7, 111), (111, 33), (33,))], ids=str)
+@pytest.mark.parametrize("shapes", GRAD_CASES[:5] + [((7, 111), (111, 33), (33,)), ((300, 64), (64, 520), (520,))],
+                         ids=str)
 def test_backward_matches_reference(device, dtype, shapes):
     lhs_shape, rhs_shape, bias_shape = shapes
     torch.manual_seed(5)
@@ -318,6 +324,93 @@ def test_backward_matches_reference(device, dtype, shapes):
     bias_ref = _sum_to(gp, bias_shape)
     terms = gp.numel() // max(bias_ref.numel(), 1)
     assert_within(bias.grad, bias_ref, _sum_to(gp.abs(), bias_shape), _sum_to(gp * gp, bias_shape).sqrt(), terms, dtype)
+
+
+# ---- relu_bias_backward: the backward's ReLU and bias terms in one pass ------------------------------
+
+# Odd widths (no 16-byte packs), widths of whole packs, one row, many rows to few columns and the reverse
+# (on CUDA: one chunk of rows written straight to grad_bias, and many chunks summed by a second kernel).
+RELU_BIAS_SHAPES = [(7, 13), (300, 520), (1, 4096), (4097, 8), (3, 1), (2, 20000)]
+
+
+def _check_relu_bias(grad: torch.Tensor, out: torch.Tensor, grad_pre: torch.Tensor, grad_bias: torch.Tensor) -> None:
+    """grad_pre exactly threshold_backward's; grad_bias against the float64 column sum of it."""
+    assert grad_pre.dtype == grad_bias.dtype == grad.dtype and grad_pre.device == grad_bias.device == grad.device
+    assert grad_pre.shape == grad.shape and grad_bias.shape == grad.shape[1:] and grad_pre.is_contiguous()
+    torch.testing.assert_close(grad_pre, torch.ops.aten.threshold_backward(grad, out, 0), rtol=0, atol=0)
+    gp = _f64(grad_pre)
+    terms = grad.shape[0]
+    assert_within(grad_bias, gp.sum(0), gp.abs().sum(0), (gp * gp).sum(0).sqrt(), terms, grad.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", RELU_BIAS_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_relu_bias_backward_matches_reference(device, dtype, shape):
+    torch.manual_seed(40)
+    grad, out = make(shape, device, dtype), make(shape, device, dtype)
+    grad_pre, grad_bias = relu_bias_backward_op()(grad, out)
+    _check_relu_bias(grad, out, grad_pre, grad_bias)
+    again = relu_bias_backward_op()(grad, out)
+    assert torch.equal(again[1], grad_bias), "the bias's gradient differs from one run to the next"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_relu_bias_backward_strided_and_unaligned(device, dtype):
+    torch.manual_seed(41)
+    grad, out = make((520, 300), device, dtype).t(), make((520, 300), device, dtype).t()
+    _check_relu_bias(grad, out, *relu_bias_backward_op()(grad, out))
+    # Contiguous views one element past an aligned start: the CUDA kernel's element-wise variant.
+    buf_g, buf_o = make(300 * 520 + 1, device, dtype), make(300 * 520 + 1, device, dtype)
+    grad, out = buf_g[1:].view(300, 520), buf_o[1:].view(300, 520)
+    _check_relu_bias(grad, out, *relu_bias_backward_op()(grad, out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0)], ids=str)
+def test_relu_bias_backward_empty(device, shape):
+    grad = torch.randn(shape, device=device)
+    grad_pre, grad_bias = relu_bias_backward_op()(grad, torch.randn(shape, device=device))
+    assert grad_pre.shape == shape and grad_bias.shape == shape[1:]
+    assert torch.equal(grad_bias, torch.zeros(shape[1], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_relu_bias_backward_nan_and_signed_zero_as_threshold_backward(device):
+    out = torch.tensor([[float("nan"), -0.0, 0.0, 1.0, -1.0, float("inf")]] * 3, device=device)
+    grad = torch.arange(18, dtype=torch.float32, device=device).view(3, 6) + 1
+    grad_pre, grad_bias = relu_bias_backward_op()(grad, out)
+    want = torch.ops.aten.threshold_backward(grad, out, 0)
+    assert torch.equal(grad_pre, want) and torch.equal(grad_bias, want.sum(0))
+    assert grad_pre[:, 0].ne(0).all() and grad_pre[:, 1:3].eq(0).all()
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((torch.randn(6), torch.randn(6)), (RuntimeError, ValueError), "grad must be 2-D"),
+        ((torch.randn(2, 3), torch.randn(3, 2)), (RuntimeError, ValueError), r"out must have grad's shape \[2, 3\]"),
+        ((torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), (RuntimeError, TypeError),
+         "out must have grad's dtype"),
+        ((torch.ones(2, 3, dtype=torch.int32), torch.ones(2, 3, dtype=torch.int32)), (RuntimeError, TypeError),
+         "grad"),
+    ],
+    ids=["1-D", "shape", "dtype", "int"],
+)
+def test_relu_bias_backward_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        relu_bias_backward_op()(*args)
+    if args[0].is_floating_point():  # the fake (meta) says the same
+        with pytest.raises(error, match=match):
+            relu_bias_backward_op()(*[a.to("meta") for a in args])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_relu_bias_backward_opcheck(device):
+    torch.manual_seed(42)
+    for shape, dtype in (((7, 13), torch.float32), ((64, 48), torch.bfloat16), ((0, 4), torch.float32)):
+        torch.library.opcheck(relu_bias_backward_op(), (make(shape, device, dtype), make(shape, device, dtype)))
 
 
 def test_no_grad_for_inputs_that_do_not_need_it():

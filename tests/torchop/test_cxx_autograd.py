@@ -4,6 +4,7 @@ cannot be had."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import textwrap
@@ -96,6 +97,41 @@ def test_double_backward_where_the_backward_has_a_formula(name: str) -> None:
     fn, args, node, _ = _cases("cpu", torch.float64)[name]
     assert _tuple(fn(*args))[0].grad_fn.name() == node
     assert torch.autograd.gradgradcheck(fn, args)
+
+
+def _backward_ops(fn: Callable[[], None]) -> list[str]:
+    """The names of the ops (aten's and ours, short) that fn's autograd calls ran, as the profiler saw them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.key.split("::")[-1] for e in prof.key_averages()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, python_path: bool) -> None:
+    """The linear layer's case (2-D, a [N] bias): relu's mask and the bias's gradient from relu_bias_backward,
+    not threshold_backward then sum; with create_graph, ATen's ops, whose formulas give the double backward."""
+    layer = ops.FusedLinearReLU(12, 20, device=device, dtype=torch.float64)
+    x = torch.randn(9, 12, device=device, dtype=torch.float64, requires_grad=True)
+    params = [x, layer.weight, layer.bias]
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        y = layer(x)
+        g = torch.randn_like(y)
+        names = _backward_ops(lambda: torch.autograd.grad(y, params, g, retain_graph=True))
+        assert "relu_bias_backward" in names and "threshold_backward" not in names, names
+        got = torch.autograd.grad(y, params, g, retain_graph=True)
+        grads = torch.autograd.grad(y, params, g, create_graph=True)
+        names = _backward_ops(lambda: torch.autograd.grad(y, params, g, create_graph=True))
+        assert "threshold_backward" in names and "relu_bias_backward" not in names, names
+        second = torch.autograd.grad(sum(t.square().sum() for t in grads), params)
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    y_ref = torch.relu(ref[0] @ ref[1].t() + ref[2])
+    want = torch.autograd.grad(y_ref, ref, g, create_graph=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    want_second = torch.autograd.grad(sum(t.square().sum() for t in want), ref)
+    for a, b in zip(second, want_second):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["fused_relu_layernorm", "fused_add_rmsnorm", "rms_norm"])
