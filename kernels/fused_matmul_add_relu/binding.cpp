@@ -242,8 +242,9 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
     auto dim = [&](int64_t i) { return i < b.dim() ? b.size(b.dim() - 1 - i) : int64_t(1); };  // from the right
     const int64_t bn = dim(0), bm = dim(1), bb = dim(2);
     if (bm == 1 && bb == 1) {
-      // One value per output column ([N], [1, N], scalar): cuBLASLt's bias epilogue.
-      const Tensor row = torch::stable::reshape(b, {bn});
+      // One value per output column ([N], [1, N], scalar): cuBLASLt's bias epilogue. The layer's [N] bias
+      // is used as it is: a reshape is a dispatcher call found by name, a few us of host time a call.
+      const Tensor row = b.dim() == 1 ? b : torch::stable::reshape(b, {bn});
       if (bn == s.n) {
         bias_m = opb::contiguous(row);
       } else {  // one value for every column: broadcast by copy_
