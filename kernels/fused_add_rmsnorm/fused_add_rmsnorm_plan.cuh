@@ -2,9 +2,9 @@
 // translation units (each compiles its own kernels; nvcc builds them in parallel).
 #pragma once
 
-#include <cuda_runtime_api.h>
-#include <atomic>
 #include <cstdint>
+
+#include "common/multiprocessors.h"
 
 namespace opb::fused_add_rmsnorm::plan {
 
@@ -58,18 +58,6 @@ inline int loop_threads(int64_t units) {
   return static_cast<int>(t < 32 ? 32 : (t > 1024 ? 1024 : t));
 }
 
-inline int multiprocessors() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 0 && dev < 64) {
-    int n = cache[dev].load(std::memory_order_relaxed);
-    if (n > 0) return n;
-  }
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 1;
-  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
-}
+using opb::multiprocessors;
 
 }  // namespace opb::fused_add_rmsnorm::plan

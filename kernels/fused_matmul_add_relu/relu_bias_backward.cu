@@ -13,12 +13,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <climits>
 #include <cstring>
 #include <type_traits>
 
 #include "common/cuda_types.cuh"
+#include "common/multiprocessors.h"
 
 namespace opb::fused_matmul_add_relu {
 namespace {
@@ -33,21 +33,6 @@ struct alignas(sizeof(T) * P) Pack {
 
 template <typename T>
 constexpr int kPackOf = 16 / static_cast<int>(sizeof(T));
-
-int multiprocessors() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const bool cached = dev >= 0 && dev < 64;
-  if (cached) {
-    const int n = cache[dev].load(std::memory_order_relaxed);
-    if (n > 0) return n;
-  }
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 1;
-  if (cached) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
-}
 
 struct Plan {
   int64_t col_blocks;

@@ -6,17 +6,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/multiprocessors.h"
 #include "fused_relu_layernorm_kernel.cuh"
 #include "fused_relu_layernorm_typed.cuh"
 
 namespace opb::fused_relu_layernorm {
 
-inline int sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 132;
-  return n;
-}
+// Read once per device (kernels/common/multiprocessors.h), not at every launch.
+inline int sm_count() { return opb::multiprocessors(); }
 
 inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
