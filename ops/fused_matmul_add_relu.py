@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from opbuilder.dispatch.router import ROUTES as _ROUTES
-from opbuilder.ops._checks import check_float, check_same
+from opbuilder.ops._checks import FLOAT_DTYPES, check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
@@ -84,7 +84,8 @@ def _register(ns: str) -> None:
 
     @fakes.register_fake(f"{ns}::relu_bias_backward")
     def _(grad: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if grad.dim() != 2 or out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device:
+        if (grad.dim() != 2 or out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device
+                or grad.dtype not in FLOAT_DTYPES):
             _check_relu_bias(grad, out)
         return grad.new_empty(grad.shape), grad.new_empty(grad.shape[1:])
 
@@ -94,9 +95,8 @@ def _register(ns: str) -> None:
         lhs, rhs, out = ctx.saved_tensors
         want_bias = ctx.bias_shape is not None and ctx.needs_input_grad[2]
         grad_bias = None
-        if (want_bias and len(ctx.bias_shape) == 1 and grad.dim() == 2 and grad.shape == out.shape
-                and ctx.bias_shape[0] == grad.shape[1] and type(grad) is torch.Tensor and type(out) is torch.Tensor
-                and not torch.is_grad_enabled()):
+        if (want_bias and len(ctx.bias_shape) == 1 and grad.dim() == 2 and ctx.bias_shape[0] == grad.shape[1]
+                and not torch.is_grad_enabled() and _one_pass(grad, out)):
             # relu's mask and the bias's gradient in one pass (the C++ path's choice, kernels/autograd).
             grad_pre, grad_bias = lib.relu_bias_backward.default(grad, out)
         else:
@@ -127,6 +127,18 @@ def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
     return _ops().fused_matmul_add_relu.default
 
 
+_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _one_pass(grad: torch.Tensor, out: torch.Tensor) -> bool:
+    """Where the backward takes relu_bias_backward's one pass, as the C++ path's ``one_pass``
+    (kernels/fused_matmul_add_relu/fused_matmul_add_relu_autograd.h says why): CUDA, contiguous, plain
+    tensors (no subclass, nothing a functorch transform wraps), rows of at least 512 bytes."""
+    return (grad.is_cuda and type(grad) is torch.Tensor and type(out) is torch.Tensor and grad.shape == out.shape
+            and grad.shape[1] * grad.element_size() >= 512 and grad.is_contiguous() and out.is_contiguous()
+            and not _WRAPPED(grad) and not _WRAPPED(out))
+
+
 def relu_bias_backward_op() -> torch._ops.OpOverload:
     """The loaded backward op ``(grad, out) -> (grad_pre, grad_bias)`` of the 2-D case: ``grad_pre =
     threshold_backward(grad, out, 0)``, ``grad_bias = grad_pre.sum(0)``, in one pass; builds on first use."""
@@ -136,6 +148,7 @@ def relu_bias_backward_op() -> torch._ops.OpOverload:
 def _check_relu_bias(grad: torch.Tensor, out: torch.Tensor) -> None:
     """The op's own checks, for its fake (shapes and devices a meta call would not catch)."""
     name = "relu_bias_backward"
+    check_float(name, "grad", grad)
     if grad.dim() != 2:
         raise ValueError(f"{name}: grad must be 2-D [M, N], got shape {list(grad.shape)}")
     if out.dtype != grad.dtype:

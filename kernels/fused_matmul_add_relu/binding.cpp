@@ -148,8 +148,8 @@ std::tuple<Tensor, Tensor> relu_bias_backward(Tensor grad, Tensor out) {
     if (ws_bytes > 0) ws = opb::new_tensor(g, {ws_bytes}, opb::ScalarType::Byte);
     opb::check_launch(opb::fused_matmul_add_relu::launch_relu_bias_backward(
                           g.const_data_ptr(), o.const_data_ptr(), grad_pre.mutable_data_ptr(),
-                          grad_bias.mutable_data_ptr(), ws_bytes > 0 ? ws.mutable_data_ptr() : nullptr, rows, cols,
-                          dtype, opb::stream_of(g)),
+                          grad_bias.mutable_data_ptr(), ws_bytes > 0 ? ws.mutable_data_ptr() : nullptr, ws_bytes,
+                          rows, cols, dtype, opb::stream_of(g)),
                       kBwd);
 #endif
   }

@@ -66,11 +66,11 @@ namespace opb::fused_matmul_add_relu {
 
 // The backward's ReLU and bias terms in one pass (relu_bias_backward.cu): for [rows, cols] contiguous
 // grad and out, grad_pre = threshold_backward(grad, out, 0) and grad_bias[c] = sum over rows of
-// grad_pre[:, c]. workspace: relu_bias_workspace_bytes(rows, cols, dtype) bytes of device memory
-// (0: none needed, may be null), stream-ordered on `stream`.
+// grad_pre[:, c]. workspace: workspace_bytes >= relu_bias_workspace_bytes(rows, cols, dtype) bytes of device
+// memory (0: none needed, may be null), stream-ordered on `stream`; less gives cudaErrorInvalidValue.
 int64_t relu_bias_workspace_bytes(int64_t rows, int64_t cols, DType dtype);
 cudaError_t launch_relu_bias_backward(const void* grad, const void* out, void* grad_pre, void* grad_bias,
-                                      void* workspace, int64_t rows, int64_t cols, DType dtype,
-                                      cudaStream_t stream);
+                                      void* workspace, int64_t workspace_bytes, int64_t rows, int64_t cols,
+                                      DType dtype, cudaStream_t stream);
 
 }  // namespace opb::fused_matmul_add_relu

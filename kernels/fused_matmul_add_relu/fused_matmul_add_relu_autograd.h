@@ -1,10 +1,10 @@
 // fused_matmul_add_relu's C++ gradient path (kernels/autograd/autograd.h):
 // fused_matmul_add_relu.grad(lhs, rhs, bias?) -> y. The backward: relu's mask from the saved y, then the
 // GEMMs of matmul's backward, summed over broadcast dims. In the linear layer's case (2-D, a [N] bias whose
-// gradient is wanted, plain tensors, no graph of the backward recorded) the mask and the bias's gradient
-// come from one pass of the op's relu_bias_backward; otherwise ATen's threshold_backward and sum, whose
-// own formulas give double backward and whose rules serve tensor subclasses (DTensor, and the fake tensors
-// torch.compile traces with, where Inductor fuses them itself). The registered overload
+// gradient is wanted, no graph of the backward recorded, and where one_pass() below says it pays) the mask
+// and the bias's gradient come from one pass of the op's relu_bias_backward; otherwise ATen's
+// threshold_backward and sum, whose own formulas give double backward and whose rules serve tensor subclasses
+// (DTensor, and the fake tensors torch.compile traces with, where Inductor fuses them itself). The registered overload
 // (bind_registered) gets the same kernel, with the op itself below autograd.
 #pragma once
 
@@ -24,8 +24,22 @@ using Opt = const std::optional<Tensor>&;
 using Forward = Tensor(const Tensor&, const Tensor&, Opt);
 using ReluBias = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&);
 
-// Whether `t` is a plain tensor: no Python dispatch key (a DTensor, a fake or functional tensor, ...).
-inline bool plain(const Tensor& t) { return !t.key_set().has(c10::DispatchKey::Python); }
+// Whether `t` is a plain tensor: not a Python subclass (a DTensor, a fake or functional tensor, ...) and not
+// wrapped by a functorch transform (vmap's batched tensors would run the op one sample at a time).
+inline bool plain(const Tensor& t) {
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper});
+  return !t.key_set().has_any(wrapped);
+}
+
+// Where relu_bias_backward's one pass is taken in the linear layer's 2-D case: CUDA tensors, contiguous (else
+// the op would copy them first), plain, and rows of at least 512 bytes (one warp of 16-byte packs; narrower
+// rows leave most of a warp idle, and ATen's two ops were faster: 16384 x 64 bf16 31.9 against 22.4 us on an
+// H100). The CPU keeps ATen's ops: vectorised and threaded, they beat the op's CPU kernel.
+inline bool one_pass(const Tensor& g, const Tensor& out) {
+  return g.is_cuda() && g.sizes() == out.sizes() && g.is_contiguous() && out.is_contiguous() && plain(g) &&
+         plain(out) && out.size(1) * static_cast<int64_t>(out.element_size()) >= 512;
+}
 
 inline Tensor reduce_to(const Tensor& grad, c10::IntArrayRef shape) {
   return grad.sizes() == shape ? grad : grad.sum_to_size(shape);
@@ -60,8 +74,8 @@ struct Backward final : torch::autograd::Node {
       // The linear layer's case, as aten's AddmmBackward does it: two mm and a column sum, no matmul or
       // sum_to_size (composites that cost several dispatches each).
       Tensor grad_pre, gc;
-      if (need_c && bias_shape.size() == 1 && bias_shape[0] == out.size(1) && g.sizes() == out.sizes() &&
-          plain(g) && plain(out) && !torch::autograd::GradMode::is_enabled()) {
+      if (need_c && bias_shape.size() == 1 && bias_shape[0] == out.size(1) && one_pass(g, out) &&
+          !torch::autograd::GradMode::is_enabled()) {
         std::tie(grad_pre, gc) = below(*relu_bias, g, out);
       } else {
         grad_pre = at::threshold_backward(g, out, 0);

@@ -50,15 +50,20 @@ void bias_relu_typed(T* out, const T* bias, int64_t batch, int64_t rows, int64_t
   });
 }
 
-// Rows a task of the backward takes: a fixed count (not one per thread), so the sums' order, and with it
-// the result, is the same whatever the thread count.
-int64_t rows_per_chunk(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
+// The backward's row chunks, each a task with its own column sums: about 16K elements a chunk and at most 64
+// chunks (the sums' buffer stays at 64 rows), fixed by the shape alone, not by the thread count, so the sums'
+// order, and with it the result, is the same whatever the thread count. (The gradient paths take ATen's ops
+// on the CPU; this kernel serves direct calls, scalar for 16-bit types.)
+int64_t row_chunks(int64_t rows, int64_t cols) {
+  const int64_t want = (rows * cols + 16383) / 16384;
+  return std::min<int64_t>(std::max<int64_t>(want, 1), std::min<int64_t>(rows, 64));
+}
 
 template <typename T>
 void relu_bias_backward_typed(const T* grad, const T* out, T* grad_pre, T* grad_bias, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
-  const int64_t per = rows_per_chunk(cols);
-  const int64_t chunks = (rows + per - 1) / per;
+  const int64_t chunks = row_chunks(rows, cols);
+  const int64_t per = (rows + chunks - 1) / chunks;
   std::vector<A> partial(static_cast<size_t>(chunks * cols), A(0));
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t ch = begin; ch < end; ++ch) {

@@ -7,7 +7,8 @@
 // of rows; each thread walks the chunk's rows 8 apart (four rows' loads issued before their use), writes grad_pre and sums its columns; the block's 8
 // partial sums per column are added in shared memory, in order, and stored to a [chunks, cols]
 // workspace (or, with one chunk, rounded into grad_bias). Kernel 2 adds the chunks per column in order:
-// the result is the same from run to run.
+// the result is the same from run to run. (Which plan runs, 16-byte packs or single elements, depends on
+// the pointers' alignment, and so may the bias's last bit: the two plans cut the rows into different chunks.)
 #include "fused_matmul_add_relu.cuh"
 
 #include <cuda_bf16.h>
@@ -144,10 +145,15 @@ int pack_for(const void* grad, const void* out, const void* grad_pre, int64_t co
 }
 
 template <typename T, int P>
-cudaError_t launch_typed(const T* grad, const T* out, T* grad_pre, T* grad_bias, void* workspace, int64_t rows,
-                         int64_t cols, cudaStream_t stream) {
+cudaError_t launch_typed(const T* grad, const T* out, T* grad_pre, T* grad_bias, void* workspace,
+                         int64_t workspace_bytes, int64_t rows, int64_t cols, cudaStream_t stream) {
   const Plan p = plan(rows, cols, P);
   if (p.col_blocks > INT_MAX || p.chunks > 65535) return cudaErrorInvalidConfiguration;
+  // The caller sized the workspace for either plan (relu_bias_workspace_bytes); a smaller one is refused,
+  // never written past.
+  if (p.chunks > 1 && (workspace == nullptr || workspace_bytes < p.chunks * cols * int64_t(sizeof(acc_t<T>)))) {
+    return cudaErrorInvalidValue;
+  }
   acc_t<T>* partial = p.chunks > 1 ? static_cast<acc_t<T>*>(workspace) : nullptr;
   const dim3 grid(static_cast<unsigned>(p.col_blocks), static_cast<unsigned>(p.chunks));
   relu_bias_partial_kernel<T, P><<<grid, dim3(kColThreads, kRowThreads), 0, stream>>>(
@@ -162,15 +168,15 @@ cudaError_t launch_typed(const T* grad, const T* out, T* grad_pre, T* grad_bias,
 
 template <typename T>
 cudaError_t launch_cast(const void* grad, const void* out, void* grad_pre, void* grad_bias, void* workspace,
-                        int64_t rows, int64_t cols, cudaStream_t stream) {
+                        int64_t workspace_bytes, int64_t rows, int64_t cols, cudaStream_t stream) {
   const T* g = static_cast<const T*>(grad);
   const T* o = static_cast<const T*>(out);
   T* gp = static_cast<T*>(grad_pre);
   T* gb = static_cast<T*>(grad_bias);
   if (pack_for<T>(grad, out, grad_pre, cols) > 1) {
-    return launch_typed<T, kPackOf<T>>(g, o, gp, gb, workspace, rows, cols, stream);
+    return launch_typed<T, kPackOf<T>>(g, o, gp, gb, workspace, workspace_bytes, rows, cols, stream);
   }
-  return launch_typed<T, 1>(g, o, gp, gb, workspace, rows, cols, stream);
+  return launch_typed<T, 1>(g, o, gp, gb, workspace, workspace_bytes, rows, cols, stream);
 }
 
 }  // namespace
@@ -186,18 +192,19 @@ int64_t relu_bias_workspace_bytes(int64_t rows, int64_t cols, DType dtype) {
 }
 
 cudaError_t launch_relu_bias_backward(const void* grad, const void* out, void* grad_pre, void* grad_bias,
-                                      void* workspace, int64_t rows, int64_t cols, DType dtype,
-                                      cudaStream_t stream) {
+                                      void* workspace, int64_t workspace_bytes, int64_t rows, int64_t cols,
+                                      DType dtype, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
+  const int64_t w = workspace_bytes;
   switch (dtype) {
     case DType::Float32:
-      return launch_cast<float>(grad, out, grad_pre, grad_bias, workspace, rows, cols, stream);
+      return launch_cast<float>(grad, out, grad_pre, grad_bias, workspace, w, rows, cols, stream);
     case DType::Float16:
-      return launch_cast<__half>(grad, out, grad_pre, grad_bias, workspace, rows, cols, stream);
+      return launch_cast<__half>(grad, out, grad_pre, grad_bias, workspace, w, rows, cols, stream);
     case DType::BFloat16:
-      return launch_cast<__nv_bfloat16>(grad, out, grad_pre, grad_bias, workspace, rows, cols, stream);
+      return launch_cast<__nv_bfloat16>(grad, out, grad_pre, grad_bias, workspace, w, rows, cols, stream);
     case DType::Float64:
-      return launch_cast<double>(grad, out, grad_pre, grad_bias, workspace, rows, cols, stream);
+      return launch_cast<double>(grad, out, grad_pre, grad_bias, workspace, w, rows, cols, stream);
   }
   return cudaErrorInvalidValue;
 }

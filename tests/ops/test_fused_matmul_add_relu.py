@@ -361,10 +361,25 @@ def test_relu_bias_backward_strided_and_unaligned(device, dtype):
     torch.manual_seed(41)
     grad, out = make((520, 300), device, dtype).t(), make((520, 300), device, dtype).t()
     _check_relu_bias(grad, out, *relu_bias_backward_op()(grad, out))
-    # Contiguous views one element past an aligned start: the CUDA kernel's element-wise variant.
+    # Contiguous views one element past an aligned start: the CUDA kernel's element-wise variant, taken when
+    # either input is unaligned.
     buf_g, buf_o = make(300 * 520 + 1, device, dtype), make(300 * 520 + 1, device, dtype)
-    grad, out = buf_g[1:].view(300, 520), buf_o[1:].view(300, 520)
-    _check_relu_bias(grad, out, *relu_bias_backward_op()(grad, out))
+    for g_off, o_off in ((1, 1), (0, 1), (1, 0)):
+        grad = buf_g[g_off:g_off + 300 * 520].view(300, 520)
+        out = buf_o[o_off:o_off + 300 * 520].view(300, 520)
+        _check_relu_bias(grad, out, *relu_bias_backward_op()(grad, out))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_relu_bias_backward_cuda_workspace_fits_either_plan(dtype):
+    # At 4224 x 1024 the 16-byte-pack plan cuts the rows into 4x more chunks than the element plan (132 against
+    # 33 on 132 SMs): the workspace must hold the larger (the launcher refuses a smaller one).
+    torch.manual_seed(43)
+    for offset in (0, 1):  # aligned: the pack plan; one element off: the element plan
+        buf_g, buf_o = make(4224 * 1024 + 1, "cuda", dtype), make(4224 * 1024 + 1, "cuda", dtype)
+        grad, out = buf_g[offset:offset + 4224 * 1024].view(4224, 1024), buf_o[offset:offset + 4224 * 1024].view(4224, 1024)
+        _check_relu_bias(grad, out, *relu_bias_backward_op()(grad, out))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -394,16 +409,15 @@ def test_relu_bias_backward_nan_and_signed_zero_as_threshold_backward(device):
         ((torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), (RuntimeError, TypeError),
          "out must have grad's dtype"),
         ((torch.ones(2, 3, dtype=torch.int32), torch.ones(2, 3, dtype=torch.int32)), (RuntimeError, TypeError),
-         "grad"),
+         "grad must be float32, float16, bfloat16 or float64, got (torch.int32|Int)"),
     ],
     ids=["1-D", "shape", "dtype", "int"],
 )
 def test_relu_bias_backward_bad_input(args, error, match):
     with pytest.raises(error, match=match):
         relu_bias_backward_op()(*args)
-    if args[0].is_floating_point():  # the fake (meta) says the same
-        with pytest.raises(error, match=match):
-            relu_bias_backward_op()(*[a.to("meta") for a in args])
+    with pytest.raises(error, match=match):  # the fake (meta) says the same
+        relu_bias_backward_op()(*[a.to("meta") for a in args])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -106,19 +106,30 @@ def _backward_ops(fn: Callable[[], None]) -> list[str]:
     return [e.key.split("::")[-1] for e in prof.key_averages()]
 
 
+# (out_features, what the upstream gradient is): float64 rows of 72 are 576 bytes, wide enough for the one pass
+# on CUDA; 20 (160 bytes) are not; a transposed gradient is not contiguous.
+_ONE_PASS_CASES = {"wide": (72, "plain"), "narrow": (20, "plain"), "strided grad": (72, "transposed")}
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", _ONE_PASS_CASES)
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
-def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, python_path: bool) -> None:
-    """The linear layer's case (2-D, a [N] bias): relu's mask and the bias's gradient from relu_bias_backward,
-    not threshold_backward then sum; with create_graph, ATen's ops, whose formulas give the double backward."""
-    layer = ops.FusedLinearReLU(12, 20, device=device, dtype=torch.float64)
+def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, case: str, python_path: bool) -> None:
+    """The linear layer's case (2-D, a [N] bias) on CUDA, rows of 512 bytes or more, contiguous gradients: relu's
+    mask and the bias's gradient from relu_bias_backward, not threshold_backward then sum; elsewhere (the CPU,
+    narrow rows, a strided gradient) and with create_graph, ATen's ops, whose formulas give double backward."""
+    out_features, grad_kind = _ONE_PASS_CASES[case]
+    layer = ops.FusedLinearReLU(12, out_features, device=device, dtype=torch.float64)
     x = torch.randn(9, 12, device=device, dtype=torch.float64, requires_grad=True)
     params = [x, layer.weight, layer.bias]
+    g = torch.randn(9, out_features, device=device, dtype=torch.float64)
+    if grad_kind == "transposed":
+        g = g.t().contiguous().t()
+    one_pass = device == "cuda" and case == "wide"
     with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
         y = layer(x)
-        g = torch.randn_like(y)
         names = _backward_ops(lambda: torch.autograd.grad(y, params, g, retain_graph=True))
-        assert "relu_bias_backward" in names and "threshold_backward" not in names, names
+        assert ("relu_bias_backward" in names) == one_pass and ("threshold_backward" in names) != one_pass, names
         got = torch.autograd.grad(y, params, g, retain_graph=True)
         grads = torch.autograd.grad(y, params, g, create_graph=True)
         names = _backward_ops(lambda: torch.autograd.grad(y, params, g, create_graph=True))
@@ -131,6 +142,25 @@ def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, python_pat
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     want_second = torch.autograd.grad(sum(t.square().sum() for t in want), ref)
     for a, b in zip(second, want_second):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_shape", [(72,), (1,), ()], ids=str)
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_linear_backward_with_a_broadcast_bias(device: str, bias_shape: tuple, python_path: bool) -> None:
+    """A bias of one value broadcast to every column gets its gradient summed over the columns too: only a [N]
+    bias takes the one pass."""
+    torch.manual_seed(11)
+    args = [torch.randn(shape, device=device, dtype=torch.float64, requires_grad=True)
+            for shape in ((9, 12), (12, 72), bias_shape)]
+    g = torch.randn(9, 72, device=device, dtype=torch.float64)
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        got = torch.autograd.grad(ops.fused_matmul_add_relu(*args), args, g)
+    ref = [a.detach().clone().requires_grad_() for a in args]
+    want = torch.autograd.grad(torch.relu(ref[0] @ ref[1] + ref[2]), ref, g)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
