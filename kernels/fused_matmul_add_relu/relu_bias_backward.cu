@@ -42,9 +42,11 @@ struct Plan {
 };
 
 // Enough blocks to fill every SM's threads (8 blocks of 256), as long as each thread still walks at least
-// kMinRowsPerThread rows: fewer, larger chunks leave kernel 2 less to add.
+// kMinRowsPerThread rows and there are at most kMaxChunks chunks: kernel 2 adds a column's chunks one after
+// another (512 chunks made 16384 x 128 bf16 take 109 us against ATen's 30 on an H100).
 constexpr int kBlocksPerSM = 8;
 constexpr int kMinRowsPerThread = 4;
+constexpr int64_t kMaxChunks = 64;
 // Rows a thread loads before it uses them: loads in flight, which a memory-bound pass needs.
 constexpr int kUnroll = 4;
 
@@ -55,7 +57,8 @@ Plan plan(int64_t rows, int64_t cols, int pack) {
   const int64_t want = int64_t(kBlocksPerSM) * multiprocessors();
   int64_t chunks = (want + p.col_blocks - 1) / p.col_blocks;
   const int64_t min_rows = int64_t(kRowThreads) * kMinRowsPerThread;
-  const int64_t max_chunks = (rows + min_rows - 1) / min_rows;
+  int64_t max_chunks = (rows + min_rows - 1) / min_rows;
+  if (max_chunks > kMaxChunks) max_chunks = kMaxChunks;
   chunks = chunks < 1 ? 1 : (chunks > max_chunks ? max_chunks : chunks);
   int64_t per = (rows + chunks - 1) / chunks;
   per = (per + kRowThreads - 1) / kRowThreads * kRowThreads;

@@ -373,8 +373,8 @@ def test_relu_bias_backward_strided_and_unaligned(device, dtype):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_relu_bias_backward_cuda_workspace_fits_either_plan(dtype):
-    # At 4224 x 1024 the 16-byte-pack plan cuts the rows into 4x more chunks than the element plan (132 against
-    # 33 on 132 SMs): the workspace must hold the larger (the launcher refuses a smaller one).
+    # At 4224 x 1024 the 16-byte-pack plan cuts the rows into more chunks than the element plan (64 against 33 on
+    # 132 SMs): the workspace must hold the larger (the launcher refuses a smaller one).
     torch.manual_seed(43)
     for offset in (0, 1):  # aligned: the pack plan; one element off: the element plan
         buf_g, buf_o = make(4224 * 1024 + 1, "cuda", dtype), make(4224 * 1024 + 1, "cuda", dtype)
