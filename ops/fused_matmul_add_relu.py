@@ -133,9 +133,9 @@ _WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
 def _one_pass(grad: torch.Tensor, out: torch.Tensor) -> bool:
     """Where the backward takes relu_bias_backward's one pass, as the C++ path's ``one_pass``
     (kernels/fused_matmul_add_relu/fused_matmul_add_relu_autograd.h says why): CUDA, contiguous, plain
-    tensors (no subclass, nothing a functorch transform wraps), rows of at least 512 bytes."""
+    tensors (no subclass, nothing a functorch transform wraps), rows of at least 256 bytes."""
     return (grad.is_cuda and type(grad) is torch.Tensor and type(out) is torch.Tensor and grad.shape == out.shape
-            and grad.shape[1] * grad.element_size() >= 512 and grad.is_contiguous() and out.is_contiguous()
+            and grad.shape[1] * grad.element_size() >= 256 and grad.is_contiguous() and out.is_contiguous()
             and not _WRAPPED(grad) and not _WRAPPED(out))
 
 

@@ -33,12 +33,15 @@ inline bool plain(const Tensor& t) {
 }
 
 // Where relu_bias_backward's one pass is taken in the linear layer's 2-D case: CUDA tensors, contiguous (else
-// the op would copy them first), plain, and rows of at least 512 bytes (one warp of 16-byte packs; narrower
-// rows leave most of a warp idle, and ATen's two ops were faster: 16384 x 64 bf16 31.9 against 22.4 us on an
-// H100). The CPU keeps ATen's ops: vectorised and threaded, they beat the op's CPU kernel.
+// the op would copy them first), plain, and rows of at least 256 bytes: narrower rows leave most of a warp
+// idle, and ATen's two ops were faster there (H100, benchmarks/tuning/relu_bias_probe.py: 16384 x 64 bf16,
+// 128-byte rows, 19.0 against 17.6 us; 256-byte rows 0.67x ATen's in bf16, 0.92x in fp32). The CPU keeps
+// ATen's ops: vectorised and threaded, they beat the op's CPU kernel.
+constexpr int64_t kOnePassMinRowBytes = 256;
+
 inline bool one_pass(const Tensor& g, const Tensor& out) {
   return g.is_cuda() && g.sizes() == out.sizes() && g.is_contiguous() && out.is_contiguous() && plain(g) &&
-         plain(out) && out.size(1) * static_cast<int64_t>(out.element_size()) >= 512;
+         plain(out) && out.size(1) * static_cast<int64_t>(out.element_size()) >= kOnePassMinRowBytes;
 }
 
 inline Tensor reduce_to(const Tensor& grad, c10::IntArrayRef shape) {

@@ -107,7 +107,7 @@ def _backward_ops(fn: Callable[[], None]) -> list[str]:
 
 
 # (out_features, what the upstream gradient is): float64 rows of 72 are 576 bytes, wide enough for the one pass
-# on CUDA; 20 (160 bytes) are not; a transposed gradient is not contiguous.
+# on CUDA (256 or more); 20 (160 bytes) are not; a transposed gradient is not contiguous.
 _ONE_PASS_CASES = {"wide": (72, "plain"), "narrow": (20, "plain"), "strided grad": (72, "transposed")}
 
 
@@ -115,7 +115,7 @@ _ONE_PASS_CASES = {"wide": (72, "plain"), "narrow": (20, "plain"), "strided grad
 @pytest.mark.parametrize("case", _ONE_PASS_CASES)
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
 def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, case: str, python_path: bool) -> None:
-    """The linear layer's case (2-D, a [N] bias) on CUDA, rows of 512 bytes or more, contiguous gradients: relu's
+    """The linear layer's case (2-D, a [N] bias) on CUDA, rows of 256 bytes or more, contiguous gradients: relu's
     mask and the bias's gradient from relu_bias_backward, not threshold_backward then sum; elsewhere (the CPU,
     narrow rows, a strided gradient) and with create_graph, ATen's ops, whose formulas give double backward."""
     out_features, grad_kind = _ONE_PASS_CASES[case]
