@@ -11,16 +11,6 @@
 
 namespace opb::softmax {
 
-inline int elem_bytes(DType dtype) {
-  switch (dtype) {
-    case DType::Float32: return 4;
-    case DType::Float16: return 2;
-    case DType::BFloat16: return 2;
-    case DType::Float64: return 8;
-  }
-  return 4;
-}
-
 // Elements per vector: 16 bytes' worth when the rows are 16-byte aligned, else 1.
 inline int vector_elems(const Problem& p) { return p.vectorized ? 16 / elem_bytes(p.dtype) : 1; }
 
