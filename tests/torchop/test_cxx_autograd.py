@@ -146,6 +146,46 @@ def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, case: str,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["subclass", "batched"])
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_linear_backward_keeps_wrapped_gradients_off_the_one_pass(device: str, kind: str, python_path: bool) -> None:
+    """A gradient that is a tensor subclass (here torch's TwoTensor, as a DTensor or a fake would be) or that a
+    functorch transform wraps (``is_grads_batched``: vmap over the backward) takes ATen's ops, not the one pass:
+    the subclass's own dispatch, and vmap's batching rules instead of its per-sample fallback for our op. The
+    gradients match the float64 reference either way."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(5)
+    layer = ops.FusedLinearReLU(12, 72, device=device, dtype=torch.float64)
+    x = torch.randn(9, 12, device=device, dtype=torch.float64, requires_grad=True)
+    params = [x, layer.weight, layer.bias]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    y_ref = torch.relu(ref[0] @ ref[1].t() + ref[2])
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        y = layer(x)
+        if kind == "subclass":
+            g = torch.randn(9, 72, device=device, dtype=torch.float64)
+            def run():
+                return torch.autograd.grad(y, params, TwoTensor(g, 2 * g), retain_graph=True)
+            want = [(a, 2 * a) for a in torch.autograd.grad(y_ref, ref, g)]
+        else:
+            g = torch.randn(3, 9, 72, device=device, dtype=torch.float64)
+            def run():
+                return torch.autograd.grad(y, params, g, retain_graph=True, is_grads_batched=True)
+            want = [torch.stack(w) for w in zip(*(torch.autograd.grad(y_ref, ref, gi, retain_graph=True) for gi in g))]
+        names = _backward_ops(run)
+        assert "relu_bias_backward" not in names and "threshold_backward" in names, names
+        got = run()
+    for a, b in zip(got, want):
+        if kind == "subclass":
+            assert type(a) is TwoTensor
+            torch.testing.assert_close(a.a, b[0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(a.b, b[1], rtol=1e-12, atol=1e-12)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bias_shape", [(72,), (1,), ()], ids=str)
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
 def test_linear_backward_with_a_broadcast_bias(device: str, bias_shape: tuple, python_path: bool) -> None:
