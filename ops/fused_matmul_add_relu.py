@@ -114,9 +114,23 @@ def _register(ns: str) -> None:
     # cannot be applied to partial sums.
     sharding.matmul(getattr(getattr(torch.ops, ns), _OP).default)
     sharding.matmul(getattr(getattr(torch.ops, ns), _OP).nograd)
-    # relu_bias_backward reads its rows whole and sums them into the bias's gradient (Partial where the
-    # rows are split); it is linear in the incoming gradient.
-    sharding.rowwise(lib.relu_bias_backward.default, reduced=[1], linear=["grad"])
+    sharding.custom(lib.relu_bias_backward.default, _relu_bias_rule)
+
+
+def _relu_bias_rule(grad, out):
+    """DTensor's choices for relu_bias_backward ``(grad, out) -> (grad_pre, grad_bias)``: grad_pre is
+    elementwise and grad_bias a sum over rows, so rows split (dim 0) give a Partial bias gradient and columns
+    split (dim 1, a column-parallel layer's output) a split one; the op is linear in grad, which may come
+    Partial with out whole. As the norms' rules, a split the inputs already have is followed, never moved."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    placements = [p for t in (grad, out) for p in t.placements]
+    dims = {p.dim for p in placements if isinstance(p, Shard)} & {0, 1}
+    if any(isinstance(p, Partial) for p in placements):
+        dims = {0, 1}
+    rules = [([Replicate(), Replicate()], [Replicate(), Replicate()])]
+    rules += [([Shard(d), Partial() if d == 0 else Shard(0)], [Shard(d), Shard(d)]) for d in sorted(dims)]
+    return rules + [([Partial(), Partial()], [Partial(), Replicate()])]
 
 
 _ops = LazyOps(_OP, _register)

@@ -185,6 +185,14 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
         assert got[1].placements == (Partial(),), got[1].placements
         for i, (a, c) in enumerate(zip(got, want)):
             close(f"relu_bias_backward rows split, output {i}", a, c)
+        # Columns split (a column-parallel layer's output): each rank sums its own columns, the bias's
+        # gradient comes split like them, and nothing is gathered.
+        g3, y3 = (torch.randn(7, 4 * mesh.size(), dtype=DTYPE) for _ in range(2))
+        want = relu_bias_backward_op()(g3, y3)
+        got = relu_bias_backward_op()(distribute_tensor(g3, mesh, [S(1)]), distribute_tensor(y3, mesh, [S(1)]))
+        assert (got[0].placements, got[1].placements) == ((S(1),), (S(0),)), (got[0].placements, got[1].placements)
+        for i, (a, c) in enumerate(zip(got, want)):
+            close(f"relu_bias_backward columns split, output {i}", a, c)
 
     # affine_grads (a bool) changes the shapes of grad_weight and grad_bias: DTensor must not reuse the
     # shapes it cached for the other value.
