@@ -141,16 +141,18 @@ def fused_matmul_add_relu_op() -> torch._ops.OpOverload:
     return _ops().fused_matmul_add_relu.default
 
 
-_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+def _wrapped(t: torch.Tensor) -> bool:
+    """Whether a vmap wraps ``t``: functorch's, or the legacy one of ``autograd.grad(is_grads_batched=True)``."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
 
 
 def _one_pass(grad: torch.Tensor, out: torch.Tensor) -> bool:
     """Where the backward takes relu_bias_backward's one pass, as the C++ path's ``one_pass``
     (kernels/fused_matmul_add_relu/fused_matmul_add_relu_autograd.h says why): CUDA, contiguous, plain
-    tensors (no subclass, nothing a functorch transform wraps), rows of at least 256 bytes."""
+    tensors (no subclass, nothing a vmap wraps), rows of at least 256 bytes."""
     return (grad.is_cuda and type(grad) is torch.Tensor and type(out) is torch.Tensor and grad.shape == out.shape
             and grad.shape[1] * grad.element_size() >= 256 and grad.is_contiguous() and out.is_contiguous()
-            and not _WRAPPED(grad) and not _WRAPPED(out))
+            and not _wrapped(grad) and not _wrapped(out))
 
 
 def relu_bias_backward_op() -> torch._ops.OpOverload:

@@ -18,7 +18,7 @@ mutants)
   cp /tmp/h.orig $h
   p=ops/fused_matmul_add_relu.py
   cp $p /tmp/p.orig
-  sed -i 's/            and not _WRAPPED(grad) and not _WRAPPED(out))/            )/; s/grad.is_cuda and type(grad) is torch.Tensor and type(out) is torch.Tensor and /grad.is_cuda and /' $p
+  sed -i 's/            and not _wrapped(grad) and not _wrapped(out))/            )/; s/grad.is_cuda and type(grad) is torch.Tensor and type(out) is torch.Tensor and /grad.is_cuda and /' $p
   grep -n "return (grad.is_cuda" -A2 $p
   echo "== Python _one_pass without its type and wrapper checks (expect the python cases to fail)"
   timeout 120 python3 -m pytest -q -p no:cacheprovider "$t" -k python 2>&1 | tail -1

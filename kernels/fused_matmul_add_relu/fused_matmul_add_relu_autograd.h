@@ -25,10 +25,11 @@ using Forward = Tensor(const Tensor&, const Tensor&, Opt);
 using ReluBias = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&);
 
 // Whether `t` is a plain tensor: not a Python subclass (a DTensor, a fake or functional tensor, ...) and not
-// wrapped by a functorch transform (vmap's batched tensors would run the op one sample at a time).
+// wrapped by a vmap, functorch's or the legacy one that autograd.grad(is_grads_batched=True) uses (Batched):
+// their fallbacks would run the op one sample at a time, where ATen's ops have batching rules.
 inline bool plain(const Tensor& t) {
   static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::FuncTorchBatched,
-                                            c10::DispatchKey::FuncTorchGradWrapper});
+                                            c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Batched});
   return !t.key_set().has_any(wrapped);
 }
 

@@ -146,13 +146,13 @@ def test_linear_backward_takes_relu_and_bias_in_one_pass(device: str, case: str,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["subclass", "batched"])
+@pytest.mark.parametrize("kind", ["subclass", "batched", "vmap"])
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
 def test_linear_backward_keeps_wrapped_gradients_off_the_one_pass(device: str, kind: str, python_path: bool) -> None:
     """A gradient that is a tensor subclass (here torch's TwoTensor, as a DTensor or a fake would be) or that a
-    functorch transform wraps (``is_grads_batched``: vmap over the backward) takes ATen's ops, not the one pass:
-    the subclass's own dispatch, and vmap's batching rules instead of its per-sample fallback for our op. The
-    gradients match the float64 reference either way."""
+    vmap wraps (``is_grads_batched``, whose vmap is the legacy one, or torch.func.vmap of autograd.grad) takes
+    ATen's ops, not the one pass: the subclass's own dispatch, and vmap's batching rules instead of its
+    per-sample fallback for our op. The gradients match the float64 reference either way."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     torch.manual_seed(5)
@@ -171,6 +171,8 @@ def test_linear_backward_keeps_wrapped_gradients_off_the_one_pass(device: str, k
         else:
             g = torch.randn(3, 9, 72, device=device, dtype=torch.float64)
             def run():
+                if kind == "vmap":
+                    return torch.func.vmap(lambda gi: torch.autograd.grad(y, params, gi, retain_graph=True))(g)
                 return torch.autograd.grad(y, params, g, retain_graph=True, is_grads_batched=True)
             want = [torch.stack(w) for w in zip(*(torch.autograd.grad(y_ref, ref, gi, retain_graph=True) for gi in g))]
         names = _backward_ops(run)
