@@ -82,10 +82,15 @@ def _register(ns: str) -> None:
         ctx.save_for_backward(output[1], weight)
         ctx.eps = eps
         ctx.leaf_inputs = input.is_leaf and residual.is_leaf
+        # An output the loss does not use comes to the backward as None, not as zeros: autograd makes those
+        # zeros a plain tensor even where the outputs are DTensors, which the backward op refuses beside them.
+        ctx.set_materialize_grads(False)
 
     def backward_fused(ctx, grad_out, grad_residual_out):
         residual_out, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
+        if grad_out is None:  # only residual_out is used: the backward op takes grad_out, zeros here
+            grad_out = torch.zeros_like(residual_out)
         if need[0] and need[1] and ctx.leaf_inputs:
             grad_input, grad_residual, grad_weight = lib.fused_add_rmsnorm_backward.two_grads(
                 grad_out, grad_residual_out, residual_out, weight, ctx.eps

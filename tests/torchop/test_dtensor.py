@@ -64,6 +64,47 @@ def test_rules_kept_until_dtensor_is_imported() -> None:
     assert result.stdout.strip().endswith("ok")
 
 
+ONE_OUTPUT_USED = r"""
+import os, torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from opbuilder import ops
+from opbuilder.torchop import cxx_autograd
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+x, r, w = (torch.randn(*s, dtype=torch.float64) for s in ((4, 6, 8), (4, 6, 8), (8,)))
+for used in ("out", "h", "both"):
+    ins = [t.clone().requires_grad_() for t in (x, r, w)]
+    dts = [distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in zip((x, r, w), (Shard(1), Shard(1), Replicate()))]
+    for args in (ins, dts):
+        out, h = ops.fused_add_rmsnorm(*args)
+        loss = {"out": out.sum(), "h": (2 * h).sum(), "both": out.sum() + (2 * h).sum()}[used]
+        loss.backward()
+    for a, b in zip(ins, dts):
+        assert torch.allclose(b.grad.full_tensor(), a.grad), used
+print("ok", cxx_autograd.state())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("cxx", ["1", "0"], ids=["cxx", "python"])
+def test_fused_add_rmsnorm_with_one_output_used(cxx: str, cxx_autograd_glue: Path) -> None:
+    """On DTensors, a loss of only one of fused_add_rmsnorm's two outputs: autograd hands the backward the other
+    output's gradient as zeros of a plain tensor (not a DTensor), which the backward op must not be given beside
+    DTensors; either gradient path, each output alone and both."""
+    import socket
+
+    from helpers import run_python
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_python(ONE_OUTPUT_USED, env={"PORT": str(port), "OPB_CXX_AUTOGRAD": cxx})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split() == ["ok", {"1": "ready", "0": "off"}[cxx]], result.stdout
+
+
 def test_helpers_name_what_is_wrong() -> None:
     """A misspelt argument name would silently make a weight a row tensor: it is an error instead."""
     import torch
