@@ -83,11 +83,13 @@ inline auto fused_kernel(std::shared_ptr<const Ops> ops, c10::TypedOperatorHandl
     if (torch::autograd::compute_requires_grad(input, residual, weight)) {
       auto node = make_node<FusedBackward>(input, residual, weight);
       node->ops = ops;
-      node->weight = SavedVariable(weight, false);
       node->eps = eps;
       node->leaf_inputs = input.is_leaf() && residual.is_leaf();
       set_grad_fn({out, h}, node);
+      // Saved in the Python path's order (residual_out, weight): a checkpoint recorded on one path and
+      // recomputed on the other (the glue's first build) matches the saved tensors by position.
       node->residual_out = SavedVariable(h, true);
+      node->weight = SavedVariable(weight, false);
     }
     return {out, h};
   };
