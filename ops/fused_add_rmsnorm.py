@@ -89,8 +89,10 @@ def _register(ns: str) -> None:
     def backward_fused(ctx, grad_out, grad_residual_out):
         residual_out, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
-        if grad_out is None:  # only residual_out is used: the backward op takes grad_out, zeros here
-            grad_out = torch.zeros_like(residual_out)
+        if grad_out is None:
+            # Only residual_out (input + residual) was used: its gradient is theirs, and the weight gets none,
+            # as with torch's add and rms_norm (an optimizer skips a None gradient; it would step a zero one).
+            return (grad_residual_out if need[0] else None, grad_residual_out if need[1] else None, None, None)
         if need[0] and need[1] and ctx.leaf_inputs:
             grad_input, grad_residual, grad_weight = lib.fused_add_rmsnorm_backward.two_grads(
                 grad_out, grad_residual_out, residual_out, weight, ctx.eps

@@ -36,10 +36,14 @@ struct FusedBackward final : torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     no_double_backward("fused_add_rmsnorm");
     const bool need_in = task_should_compute_output(0), need_res = task_should_compute_output(1);
+    if (!grads[0].defined()) {
+      // Only residual_out (input + residual) was used: its gradient is theirs, and the weight gets none, as
+      // with torch's add and rms_norm (an optimizer skips a None gradient; it would step a zero one).
+      return {need_in ? grads[1] : Tensor(), need_res ? grads[1] : Tensor(), Tensor()};
+    }
     Tensor h = residual_out.unpack(getptr());
-    // An output nobody used has no gradient: out's is a zero tensor (the kernel reads it), residual_out's none.
-    Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(h);
-    const std::optional<Tensor> grad_res = defined_or_none(grads[1]);
+    const Tensor& grad_out = grads[0];
+    const std::optional<Tensor> grad_res = defined_or_none(grads[1]);  // residual_out unused: none
     Tensor gi, gr, gw;
     if (need_in && need_res && leaf_inputs) {
       std::tie(gi, gr, gw) = below(ops->backward_two, grad_out, grad_res, h, weight.unpack(), eps);

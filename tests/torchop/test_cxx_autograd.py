@@ -243,15 +243,27 @@ def test_double_backward_elsewhere_is_a_clear_error(name: str) -> None:
         torch.autograd.grad(out[0].sum(), args, create_graph=True)
 
 
-def test_only_the_used_inputs_get_gradients_and_unused_outputs_are_zero() -> None:
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_only_the_used_inputs_get_gradients(python_path: bool) -> None:
+    """fused_add_rmsnorm with only residual_out (x + r) in the loss: the weight gets no gradient (None, as
+    with torch's add and rms_norm, so that an optimizer skips it rather than stepping a zero gradient: Adam's
+    momentum and weight decay would move it), x and r the loss's gradient of x + r."""
     a = torch.randn(5, 8, requires_grad=True)
     r = torch.randn(5, 8)  # needs no gradient
     w = torch.randn(8, requires_grad=True)
-    out, h = ops.fused_add_rmsnorm(a, r, w)
-    assert out.grad_fn.name() == "opbuilder::FusedAddRMSNormBackward"
-    (ga, gw) = torch.autograd.grad(h.sum(), [a, w])  # out unused: its gradient is zero
-    torch.testing.assert_close(ga, torch.ones_like(a))
-    torch.testing.assert_close(gw, torch.zeros_like(w))
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        out, h = ops.fused_add_rmsnorm(a, r, w)
+        assert (out.grad_fn.name() == "opbuilder::FusedAddRMSNormBackward") != python_path
+        (ga, gw) = torch.autograd.grad((3 * h).sum(), [a, w], allow_unused=True)
+        torch.testing.assert_close(ga, torch.full_like(a, 3.0))
+        assert gw is None
+        ops.fused_add_rmsnorm(a, r, w)[1].sum().backward()
+        assert w.grad is None and torch.equal(a.grad, torch.ones_like(a))
+        out, h = ops.fused_add_rmsnorm(a, r, w)  # out alone: the kernel's gradients, the weight's too
+        gw = torch.autograd.grad(out.sum(), [w])[0]
+        torch.testing.assert_close(gw, torch.autograd.grad(torch.nn.functional.rms_norm(a + r, (8,), w, 1e-6).sum(), w)[0])
+    if python_path:
+        return
     # no weight, no bias: the Node has no edge for them, and the leaf x gets its .grad as with torch's ops
     x = torch.randn(3, 8, requires_grad=True)
     y = ops.fused_relu_layernorm(x, None, None)
