@@ -17,6 +17,8 @@ from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
 
+_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
+
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
 
@@ -223,7 +225,12 @@ class FusedReLULayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_relu_layernorm(x, self.weight, self.bias, self.eps)
+        weight, bias = self.weight, self.bias
+        if weight is not None and weight.dtype is not x.dtype and x.is_floating_point() and not _ANY_AUTOCAST():
+            # Parameters of another dtype (bfloat16 activations, float32 parameters), which nn.LayerNorm takes:
+            # cast to x's, as RMSNorm does. Under autocast, the op's autocast rule casts instead.
+            weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        return fused_relu_layernorm(x, weight, bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -330,6 +330,33 @@ def test_layer_dtype_and_bad_size() -> None:
         FusedReLULayerNorm(2.5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_takes_activations_of_another_dtype_than_its_parameters(device: str, dtype: torch.dtype) -> None:
+    """bfloat16/float16 activations into a layer with float32 parameters, as nn.LayerNorm takes them (without
+    autocast): an output of the activations' dtype, float32 gradients for the parameters."""
+    torch.manual_seed(3)
+    layer = FusedReLULayerNorm(24, device=device)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    ref = torch.nn.LayerNorm(24, device=device, dtype=torch.float64)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 24, device=device).to(dtype).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    y, want = layer(x), ref(torch.relu(x64))
+    assert y.dtype == dtype
+    g = torch.randn_like(want)
+    y.backward(g.to(dtype))
+    want.backward(g)
+    tol = {"rtol": 5e-2, "atol": 5e-2}
+    torch.testing.assert_close(y.double(), want, **tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    for p, q in ((layer.weight, ref.weight), (layer.bias, ref.bias)):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=5e-2, atol=1e-1)
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 
 
