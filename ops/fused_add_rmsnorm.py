@@ -35,6 +35,7 @@ from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
+from opbuilder.torchop.once import once_differentiable
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -109,7 +110,8 @@ def _register(ns: str) -> None:
             None,
         )
 
-    eager.register_autograd(f"{ns}::fused_add_rmsnorm", backward_fused, setup_context=setup_fused)
+    eager.register_autograd(f"{ns}::fused_add_rmsnorm", once_differentiable("fused_add_rmsnorm", backward_fused),
+                            setup_context=setup_fused)
 
     def setup_rms(ctx, inputs, output) -> None:
         input, weight, eps = inputs
@@ -122,7 +124,7 @@ def _register(ns: str) -> None:
         need = ctx.needs_input_grad
         return grad_input if need[0] else None, grad_weight if need[1] else None, None
 
-    eager.register_autograd(f"{ns}::rms_norm", backward_rms, setup_context=setup_rms)
+    eager.register_autograd(f"{ns}::rms_norm", once_differentiable("rms_norm", backward_rms), setup_context=setup_rms)
 
     # DTensor: rows split on any dim but the normalised last one, weight replicated; grad_weight sums over
     # the rows, so with rows split it is Partial (what makes sequence parallelism right); the backward is

@@ -16,6 +16,7 @@ from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
+from opbuilder.torchop.once import once_differentiable
 
 _ANY_AUTOCAST = torch._C._is_any_autocast_enabled
 
@@ -78,7 +79,8 @@ def _register(ns: str) -> None:
         grad_x, grad_w, grad_b = backward_op(grad_y, x, weight, mean, rstd, need_w or need_b)
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
 
-    eager.register_autograd(f"{ns}::fused_relu_layernorm", backward, setup_context=setup_context)
+    eager.register_autograd(f"{ns}::fused_relu_layernorm", once_differentiable("fused_relu_layernorm", backward),
+                            setup_context=setup_context)
     # The eager call with a gradient, until its C++ path is there: the Function, y alone.
     eager.register_python_grad(f"{ns}::fused_relu_layernorm",
                                lambda *args: _ops.eager().fused_relu_layernorm.apply(*args)[0])

@@ -14,6 +14,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -63,31 +64,34 @@ void no_forward_ad(const char* op, const Inputs&... inputs) {
                               ", which does not support it (no forward-mode formula)");
 }
 
-// For backwards whose own backward (double backward) the op does not have: a clear error rather than
-// a gradient that silently misses a term.
-inline void no_double_backward(const char* op) {
-  TORCH_CHECK(!torch::autograd::GradMode::is_enabled(), op,
-              ": double backward (backward with create_graph=True) is not supported by this op; take the "
-              "gradient once, or use the unfused PyTorch ops for higher-order gradients");
+// The error a second-order gradient through an op without a double backward raises.
+inline std::string double_backward_error(const char* op) {
+  return std::string(op) +
+         ": double backward (a gradient of this op's gradient) is not supported by this op; take the gradient "
+         "once, or use the unfused PyTorch ops for higher-order gradients";
 }
+
 
 // How torch owns a Node: std::shared_ptr up to torch 2.12, c10::intrusive_ptr since.
 using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
 constexpr bool kSharedNodes = std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>;
 
-// Makes a Node of type N, owned as torch owns Nodes, and connects it to `inputs` (undefined tensors get
-// no edge).
+// A new Node of type N made from `args`, owned as torch owns Nodes.
+template <class N, class... Args>
+auto own_node(Args&&... args) {
+  if constexpr (kSharedNodes) {
+    // deleteNode (found by argument-dependent lookup: it exists only where Nodes are shared) frees a long
+    // chain of Nodes without deep recursion.
+    return std::shared_ptr<N>(new N(std::forward<Args>(args)...), [](N* p) { deleteNode(p); });
+  } else {
+    return c10::make_intrusive<N>(std::forward<Args>(args)...);
+  }
+}
+
+// Makes a Node of type N and connects it to `inputs` (undefined tensors get no edge).
 template <class N, class... Inputs>
 auto make_node(const Inputs&... inputs) {
-  auto node = [] {
-    if constexpr (kSharedNodes) {
-      // deleteNode (found by argument-dependent lookup: it exists only where Nodes are shared) frees a long
-      // chain of Nodes without deep recursion.
-      return std::shared_ptr<N>(new N(), [](N* p) { deleteNode(p); });
-    } else {
-      return c10::make_intrusive<N>();
-    }
-  }();
+  auto node = own_node<N>();
   node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
   return node;
 }
@@ -100,6 +104,25 @@ void set_grad_fn(std::initializer_list<Tensor> outputs, const Ptr& node) {
 }
 
 inline Tensor or_undefined(const std::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+
+// For backwards whose own backward (double backward) the op does not have, as torch's once_differentiable:
+// where the backward is recorded (create_graph=True, or torch.func's transforms, which always record it) its
+// results come out with a Node that raises the clear error above when, and only when, a second-order gradient
+// reaches it. Its edges are those of `anchors` (the incoming gradients and the saved tensors: what the results
+// depend on), so that a second-order gradient asked of the op's inputs reaches it. A first-order gradient taken
+// that way works (torch.func.grad, a gradient penalty's value); a second-order one raises rather than silently
+// missing a term.
+inline variable_list once_differentiable(const char* op, variable_list&& results, const variable_list& anchors) {
+  if (!torch::autograd::GradMode::is_enabled()) return std::move(results);
+  const NodePtr fn(own_node<torch::autograd::Error>(double_backward_error(op), torch::autograd::collect_next_edges(anchors)));
+  for (Tensor& r : results) {
+    if (r.defined()) {
+      r = r.detach();  // its own output slot, also where two results are one tensor
+      torch::autograd::set_history(r, fn);
+    }
+  }
+  return std::move(results);
+}
 
 // What `bind` registers: one FRAGMENT library a loaded op namespace, kept for the process's life.
 struct Registrar {

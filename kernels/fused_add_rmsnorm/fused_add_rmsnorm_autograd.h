@@ -34,24 +34,26 @@ struct FusedBackward final : torch::autograd::Node {
   bool leaf_inputs = false;
 
   variable_list apply(variable_list&& grads) override {
-    no_double_backward("fused_add_rmsnorm");
     const bool need_in = task_should_compute_output(0), need_res = task_should_compute_output(1);
     if (!grads[0].defined()) {
       // Only residual_out (input + residual) was used: its gradient is theirs, and the weight gets none, as
-      // with torch's add and rms_norm (an optimizer skips a None gradient; it would step a zero one).
+      // with torch's add and rms_norm (an optimizer skips a None gradient; it would step a zero one). The
+      // identity needs no double backward.
       return {need_in ? grads[1] : Tensor(), need_res ? grads[1] : Tensor(), Tensor()};
     }
-    Tensor h = residual_out.unpack(getptr());
+    const Tensor h = residual_out.unpack(getptr()), w = weight.unpack();
     const Tensor& grad_out = grads[0];
     const std::optional<Tensor> grad_res = defined_or_none(grads[1]);  // residual_out unused: none
     Tensor gi, gr, gw;
     if (need_in && need_res && leaf_inputs) {
-      std::tie(gi, gr, gw) = below(ops->backward_two, grad_out, grad_res, h, weight.unpack(), eps);
+      std::tie(gi, gr, gw) = below(ops->backward_two, grad_out, grad_res, h, w, eps);
     } else {
-      std::tie(gi, gw) = below(ops->backward, grad_out, grad_res, h, weight.unpack(), eps);
+      std::tie(gi, gw) = below(ops->backward, grad_out, grad_res, h, w, eps);
       gr = gi;
     }
-    return {need_in ? gi : Tensor(), need_res ? gr : Tensor(), task_should_compute_output(2) ? gw : Tensor()};
+    return once_differentiable(
+        "fused_add_rmsnorm", {need_in ? gi : Tensor(), need_res ? gr : Tensor(), task_should_compute_output(2) ? gw : Tensor()},
+        {grads[0], grads[1], h, w});
   }
   std::string name() const override { return "opbuilder::FusedAddRMSNormBackward"; }
   void release_variables() override {
@@ -66,10 +68,12 @@ struct RmsBackward final : torch::autograd::Node {
   double eps = 0;
 
   variable_list apply(variable_list&& grads) override {
-    no_double_backward("rms_norm");
     if (!grads[0].defined()) return {Tensor(), Tensor()};
-    auto [gi, gw] = below(ops->backward, grads[0], std::nullopt, input.unpack(), weight.unpack(), eps);
-    return {task_should_compute_output(0) ? gi : Tensor(), task_should_compute_output(1) ? gw : Tensor()};
+    const Tensor x = input.unpack(), w = weight.unpack();
+    auto [gi, gw] = below(ops->backward, grads[0], std::nullopt, x, w, eps);
+    return once_differentiable(
+        "rms_norm", {task_should_compute_output(0) ? gi : Tensor(), task_should_compute_output(1) ? gw : Tensor()},
+        {grads[0], x, w});
   }
   std::string name() const override { return "opbuilder::RMSNormBackward"; }
   void release_variables() override {

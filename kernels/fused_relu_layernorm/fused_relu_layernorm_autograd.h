@@ -23,13 +23,14 @@ struct Backward final : torch::autograd::Node {
   SavedVariable x, weight, mean, rstd;
 
   variable_list apply(variable_list&& grads) override {
-    no_double_backward(kOp);
     const bool need_w = task_should_compute_output(1), need_b = task_should_compute_output(2);
     if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
-    Tensor w = weight.unpack();
-    auto [gx, gw, gb] = below(ops->backward, grads[0], x.unpack(), w.defined() ? std::optional<Tensor>(w) : std::nullopt,
+    const Tensor w = weight.unpack(), input = x.unpack();
+    auto [gx, gw, gb] = below(ops->backward, grads[0], input, w.defined() ? std::optional<Tensor>(w) : std::nullopt,
                               mean.unpack(), rstd.unpack(), need_w || need_b);
-    return {task_should_compute_output(0) ? gx : Tensor(), need_w ? gw : Tensor(), need_b ? gb : Tensor()};
+    return once_differentiable(
+        kOp, {task_should_compute_output(0) ? gx : Tensor(), need_w ? gw : Tensor(), need_b ? gb : Tensor()},
+        {grads[0], input, w});
   }
   std::string name() const override { return "opbuilder::FusedReluLayerNormBackward"; }
   void release_variables() override {

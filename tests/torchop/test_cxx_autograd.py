@@ -236,11 +236,38 @@ def test_linear_backward_with_a_broadcast_bias(device: str, bias_shape: tuple, p
 
 
 @pytest.mark.parametrize("name", ["fused_relu_layernorm", "fused_add_rmsnorm", "rms_norm"])
-def test_double_backward_elsewhere_is_a_clear_error(name: str) -> None:
-    fn, args, _, _ = _cases("cpu", torch.float64)[name]
-    out = _tuple(fn(*args))
-    with pytest.raises(RuntimeError, match=f"{name}: double backward .*not supported"):
-        torch.autograd.grad(out[0].sum(), args, create_graph=True)
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_double_backward_elsewhere_is_a_clear_error(name: str, python_path: bool) -> None:
+    """The norms have no double backward: a gradient recorded with create_graph=True is still the gradient (a
+    gradient penalty's value, torch.func's transforms), and only a second-order gradient through it raises,
+    with the op's name, on either path (the Python path once gave zeros there, with only torch's warning)."""
+    fn, args, _, reference = _cases("cpu", torch.float64)[name]
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        out = _tuple(fn(*args))
+        grads = torch.autograd.grad(out[0].square().sum(), args, create_graph=True)
+        want = torch.autograd.grad(_tuple(reference(*args))[0].square().sum(), args)
+        for a, b in zip(grads, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        penalty = sum(g.square().sum() for g in grads)
+        with pytest.raises(RuntimeError, match=f"^{name}: double backward .*not supported"):
+            torch.autograd.grad(penalty, args)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_torch_func_grad_takes_the_cxx_path(name: str) -> None:
+    """torch.func.grad records the backward (its transforms always do): a first-order gradient through every
+    op, the norms included, matches the float64 reference."""
+    fn, args, node, reference = _cases("cpu", torch.float64)[name]
+    assert _tuple(fn(*args))[0].grad_fn.name() == node
+
+    def loss(f: Callable, *xs: torch.Tensor) -> torch.Tensor:
+        return sum((o * o).sum() for o in _tuple(f(*xs)))
+
+    plain = [a.detach() for a in args]
+    got = torch.func.grad(lambda *xs: loss(fn, *xs), argnums=tuple(range(len(plain))))(*plain)
+    want = torch.func.grad(lambda *xs: loss(reference, *xs), argnums=tuple(range(len(plain))))(*plain)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
