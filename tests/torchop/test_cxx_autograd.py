@@ -253,21 +253,36 @@ def test_double_backward_elsewhere_is_a_clear_error(name: str, python_path: bool
             torch.autograd.grad(penalty, args)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_torch_func_grad_takes_the_cxx_path(name: str) -> None:
-    """torch.func.grad records the backward (its transforms always do): a first-order gradient through every
-    op, the norms included, matches the float64 reference."""
-    fn, args, node, reference = _cases("cpu", torch.float64)[name]
-    assert _tuple(fn(*args))[0].grad_fn.name() == node
+FUNC_GRAD = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+from opbuilder.torchop import cxx_autograd
+assert cxx_autograd.load(wait=True)
+from torchop.test_cxx_autograd import _cases, _tuple
 
-    def loss(f: Callable, *xs: torch.Tensor) -> torch.Tensor:
-        return sum((o * o).sum() for o in _tuple(f(*xs)))
+def loss(f, *xs):
+    return sum((o * o).sum() for o in _tuple(f(*xs)))
 
+for name, (fn, args, node, reference) in _cases(sys.argv[1], torch.float64).items():
     plain = [a.detach() for a in args]
-    got = torch.func.grad(lambda *xs: loss(fn, *xs), argnums=tuple(range(len(plain))))(*plain)
-    want = torch.func.grad(lambda *xs: loss(reference, *xs), argnums=tuple(range(len(plain))))(*plain)
+    nums = tuple(range(len(plain)))
+    got = torch.func.grad(lambda *xs: loss(fn, *xs), argnums=nums)(*plain)
+    want = torch.func.grad(lambda *xs: loss(reference, *xs), argnums=nums)(*plain)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    print(name, "ok")
+"""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_grad_takes_the_cxx_path(device: str, cxx_autograd_glue: Path) -> None:
+    """torch.func.grad records the backward (its transforms always do) and calls the registered ops, whose
+    Autograd kernels are the C++ Nodes where the glue was loaded before a process first used them (a fresh
+    process here: in this one another test may have given an op its Python formula first, which torch.func's
+    transforms refuse): a first-order gradient through every op, the norms included, matches float64."""
+    result = run_python(FUNC_GRAD.replace("sys.argv[1]", repr(device)))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split() == [w for name in CASES for w in (name, "ok")], result.stdout
 
 
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
