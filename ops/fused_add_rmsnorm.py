@@ -115,7 +115,8 @@ def _register(ns: str) -> None:
 
     def setup_rms(ctx, inputs, output) -> None:
         input, weight, eps = inputs
-        ctx.save_for_backward(input, weight)
+        # A copy of an input made under inference_mode, which autograd refuses to save (as the C++ path).
+        ctx.save_for_backward(input.clone() if input.is_inference() else input, weight)
         ctx.eps = eps
 
     def backward_rms(ctx, grad_out):

@@ -70,7 +70,8 @@ def _register(ns: str) -> None:
     def setup_context(ctx, inputs, output) -> None:
         x, weight, _bias, _eps = inputs
         _y, mean, rstd = output
-        ctx.save_for_backward(x, weight, mean, rstd)
+        # A copy of an x made under inference_mode, which autograd refuses to save (as the C++ path).
+        ctx.save_for_backward(x.clone() if x.is_inference() else x, weight, mean, rstd)
         ctx.mark_non_differentiable(mean, rstd)
 
     def backward(ctx, grad_y, _grad_mean, _grad_rstd):

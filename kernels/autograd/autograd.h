@@ -105,6 +105,11 @@ void set_grad_fn(std::initializer_list<Tensor> outputs, const Ptr& node) {
 
 inline Tensor or_undefined(const std::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
 
+// An input to save for the backward: a copy where it was made under torch.inference_mode (which autograd
+// refuses to save), e.g. a frozen encoder's features fed to a norm whose weight trains, as the PyTorch ops a
+// norm replaces accept it (they save tensors of their own making).
+inline Tensor savable(const Tensor& t) { return t.defined() && t.is_inference() ? t.clone() : t; }
+
 // For backwards whose own backward (double backward) the op does not have, as torch's once_differentiable:
 // where the backward is recorded (create_graph=True, or torch.func's transforms, which always record it) its
 // results come out with a Node that raises the clear error above when, and only when, a second-order gradient

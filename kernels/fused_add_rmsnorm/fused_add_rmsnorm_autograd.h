@@ -109,7 +109,7 @@ inline auto rms_kernel(std::shared_ptr<const Ops> ops, c10::TypedOperatorHandle<
     if (torch::autograd::compute_requires_grad(input, weight)) {
       auto node = make_node<RmsBackward>(input, weight);
       node->ops = ops;
-      node->input = SavedVariable(input, false);
+      node->input = SavedVariable(savable(input), false);
       node->weight = SavedVariable(weight, false);
       node->eps = eps;
       set_grad_fn({out}, node);

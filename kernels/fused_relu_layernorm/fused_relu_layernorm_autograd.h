@@ -49,7 +49,7 @@ inline std::tuple<Tensor, Tensor, Tensor> record(const std::shared_ptr<const Ops
   if (torch::autograd::compute_requires_grad(x, w, b)) {
     auto node = make_node<Backward>(x, w, b);
     node->ops = ops;
-    node->x = SavedVariable(x, false);
+    node->x = SavedVariable(savable(x), false);
     node->weight = SavedVariable(w, false);
     node->mean = SavedVariable(mean, false);
     node->rstd = SavedVariable(rstd, false);

@@ -121,6 +121,23 @@ def test_both_paths_save_the_same_tensors_in_the_same_order(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["rms_norm", "fused_relu_layernorm"])
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_norms_take_an_input_made_under_inference_mode(name: str, python_path: bool) -> None:
+    """A frozen encoder's features, made under torch.inference_mode, into a norm whose weight trains: the norms
+    save their input, which autograd refuses for such a tensor, so they save a copy; torch's RMSNorm and ReLU +
+    LayerNorm (which save tensors of their own making) take it too."""
+    fn, args, _, reference = _cases("cpu", torch.float64)[name]
+    with torch.inference_mode():
+        x = args[0].detach().clone()
+    params = [a.detach().clone().requires_grad_() for a in args[1:]]
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        got = torch.autograd.grad(fn(x, *params).square().sum(), params)
+    want = torch.autograd.grad(reference(x, *params).square().sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("name", ["relu", "softmax", "fused_matmul_add_relu"])
 def test_double_backward_where_the_backward_has_a_formula(name: str) -> None:
     fn, args, node, _ = _cases("cpu", torch.float64)[name]
