@@ -35,7 +35,7 @@ from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
-from opbuilder.torchop.once import once_differentiable
+from opbuilder.torchop.once import once_differentiable, refuse_nested_grad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -87,8 +87,11 @@ def _register(ns: str) -> None:
         # zeros a plain tensor even where the outputs are DTensors, which the backward op refuses beside them.
         ctx.set_materialize_grads(False)
 
-    def backward_fused(ctx, grad_out, grad_residual_out):
-        residual_out, weight = ctx.saved_tensors
+    def only_residual_out(ctx, grad_out, grad_residual_out) -> bool:
+        return grad_out is None
+
+    def backward_fused(ctx, saved, grad_out, grad_residual_out):
+        residual_out, weight = saved
         need = ctx.needs_input_grad
         if grad_out is None:
             # Only residual_out (input + residual) was used: its gradient is theirs, and the weight gets none,
@@ -110,7 +113,8 @@ def _register(ns: str) -> None:
             None,
         )
 
-    eager.register_autograd(f"{ns}::fused_add_rmsnorm", once_differentiable("fused_add_rmsnorm", backward_fused),
+    eager.register_autograd(f"{ns}::fused_add_rmsnorm",
+                            once_differentiable("fused_add_rmsnorm", backward_fused, passthrough=only_residual_out),
                             setup_context=setup_fused)
 
     def setup_rms(ctx, inputs, output) -> None:
@@ -119,8 +123,8 @@ def _register(ns: str) -> None:
         ctx.save_for_backward(input.clone() if input.is_inference() else input, weight)
         ctx.eps = eps
 
-    def backward_rms(ctx, grad_out):
-        input, weight = ctx.saved_tensors
+    def backward_rms(ctx, saved, grad_out):
+        input, weight = saved
         grad_input, grad_weight = lib.fused_add_rmsnorm_backward.default(grad_out, None, input, weight, ctx.eps)
         need = ctx.needs_input_grad
         return grad_input if need[0] else None, grad_weight if need[1] else None, None
@@ -218,6 +222,7 @@ def fused_add_rmsnorm(
     if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
         out, residual_out = reference(*args)
         return out.contiguous(), residual_out.contiguous()  # as the kernel's outputs
+    refuse_nested_grad("fused_add_rmsnorm")
     return fused_add_rmsnorm_op()(*args)
 
 
@@ -240,6 +245,7 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tor
     eps = _check_rms(input, weight, eps)
     if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
         return _rms(input, weight, eps).contiguous()  # as the kernel's output
+    refuse_nested_grad("rms_norm")
     return rms_norm_op()(input, weight, eps)
 
 

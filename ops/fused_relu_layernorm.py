@@ -16,9 +16,7 @@ from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
-from opbuilder.torchop.once import once_differentiable
-
-_ANY_AUTOCAST = torch._C._is_any_autocast_enabled
+from opbuilder.torchop.once import once_differentiable, refuse_nested_grad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -74,8 +72,8 @@ def _register(ns: str) -> None:
         ctx.save_for_backward(x.clone() if x.is_inference() else x, weight, mean, rstd)
         ctx.mark_non_differentiable(mean, rstd)
 
-    def backward(ctx, grad_y, _grad_mean, _grad_rstd):
-        x, weight, mean, rstd = ctx.saved_tensors
+    def backward(ctx, saved, grad_y, _grad_mean, _grad_rstd):
+        x, weight, mean, rstd = saved
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_x, grad_w, grad_b = backward_op(grad_y, x, weight, mean, rstd, need_w or need_b)
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None
@@ -176,6 +174,7 @@ def fused_relu_layernorm(
     elif inline(x):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
         y = reference(x, weight, bias, eps).contiguous()  # as the kernel's output
     else:
+        refuse_nested_grad(_OP)
         y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)
 
@@ -229,9 +228,10 @@ class FusedReLULayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if weight is not None and weight.dtype is not x.dtype and x.is_floating_point() and not _ANY_AUTOCAST():
+        if (weight is not None and weight.dtype is not x.dtype and x.is_floating_point()
+                and not torch.is_autocast_enabled(x.device.type)):
             # Parameters of another dtype (bfloat16 activations, float32 parameters), which nn.LayerNorm takes:
-            # cast to x's, as RMSNorm does. Under autocast, the op's autocast rule casts instead.
+            # cast to x's, as RMSNorm does. Under autocast on x's device, the op's autocast rule casts instead.
             weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
         return fused_relu_layernorm(x, weight, bias, self.eps)
 

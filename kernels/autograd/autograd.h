@@ -116,7 +116,9 @@ inline Tensor savable(const Tensor& t) { return t.defined() && t.is_inference() 
 // reaches it. Its edges are those of `anchors` (the incoming gradients and the saved tensors: what the results
 // depend on), so that a second-order gradient asked of the op's inputs reaches it. A first-order gradient taken
 // that way works (torch.func.grad, a gradient penalty's value); a second-order one raises rather than silently
-// missing a term.
+// missing a term. Nested torch.func gradient transforms never get here: the kernels run below every level, so
+// this Node would reach the innermost level only and an outer one would see a constant; the ops' Python
+// functions refuse them (opbuilder/torchop/once.py).
 inline variable_list once_differentiable(const char* op, variable_list&& results, const variable_list& anchors) {
   if (!torch::autograd::GradMode::is_enabled()) return std::move(results);
   const NodePtr fn(own_node<torch::autograd::Error>(double_backward_error(op), torch::autograd::collect_next_edges(anchors)));

@@ -21,6 +21,24 @@ def double_backward_error(op: str) -> str:
             "gradient once, or use the unfused PyTorch ops for higher-order gradients")
 
 
+_TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
+
+
+def refuse_nested_grad(op: str) -> None:
+    """Raise ``double_backward_error(op)`` under two or more torch.func gradient transforms (grad of grad,
+    jacrev of jacrev), before the op is recorded: its backward's kernels run below every level, so the node of
+    ``once_differentiable`` reaches the innermost level only, and an outer one would take the gradient for a
+    constant (zeros). A single level (``grad``, ``vjp``, ``jacrev``, ``vmap`` of ``grad``) goes on. Nothing is
+    read while Dynamo traces (``is_compiling`` is a constant there) or without a transform."""
+    if torch.compiler.is_compiling() or not _TRANSFORMS_ACTIVE():
+        return
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) > 1:
+        raise RuntimeError(double_backward_error(op))
+
+
 class _Refuse(torch.autograd.Function):
     """``(op, n, *anchors, *results) -> results``, whose backward raises ``double_backward_error(op)``."""
 
@@ -37,16 +55,24 @@ class _Refuse(torch.autograd.Function):
         raise RuntimeError(double_backward_error(ctx.op))
 
 
-def once_differentiable(op: str, backward: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
-    """``backward(ctx, *grads)`` for ``register_autograd``, run without recording, its results made to refuse a
-    second-order gradient where the backward is recorded (see the module docstring)."""
+def once_differentiable(
+    op: str,
+    backward: Callable[..., tuple[Any, ...]],
+    passthrough: Callable[..., bool] | None = None,
+) -> Callable[..., tuple[Any, ...]]:
+    """``(ctx, *grads)`` for ``register_autograd`` from ``backward(ctx, saved, *grads)`` (``saved``: the
+    ctx's saved tensors, read once: a non-reentrant checkpoint allows one unpack), run without recording,
+    its results made to refuse a second-order gradient where the backward is recorded (see the module
+    docstring). ``passthrough(ctx, *grads)``: True where the backward only hands gradients on (an identity,
+    whose own history then stays), so it runs as it is."""
 
     def wrapped(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
+        saved = ctx.saved_tensors
+        if not torch.is_grad_enabled() or (passthrough is not None and passthrough(ctx, *grads)):
+            return backward(ctx, saved, *grads)
         with torch.no_grad():
-            results = backward(ctx, *grads)
-        anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor)]
+            results = backward(ctx, saved, *grads)
+        anchors = [t for t in (*grads, *saved) if isinstance(t, torch.Tensor)]
         tensors = [r if isinstance(r, torch.Tensor) else None for r in results]
         return _Refuse.apply(op, len(anchors), *anchors, *tensors)
 

@@ -357,6 +357,27 @@ def test_layer_takes_activations_of_another_dtype_than_its_parameters(device: st
         torch.testing.assert_close(p.grad.double(), q.grad, rtol=5e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_under_autocast_follows_layer_norms_rule(dtype: torch.dtype) -> None:
+    """Under autocast on x's device the op's autocast rule decides (layer_norm's: float32 where torch runs it in
+    float32), not the layer's cast to x's dtype; autocast on another device leaves the layer's cast on."""
+    torch.manual_seed(4)
+    layer, ref = FusedReLULayerNorm(24), torch.nn.LayerNorm(24)
+    x = torch.randn(5, 24).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        got, want = layer(x), ref(torch.relu(x))
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    before = torch.is_autocast_enabled("cuda")
+    torch.set_autocast_enabled("cuda", True)  # what torch.autocast("cuda") sets: nothing for CPU tensors
+    try:
+        got = layer(x)
+    finally:
+        torch.set_autocast_enabled("cuda", before)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref(torch.relu(x)).float(), rtol=5e-2, atol=5e-2)
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 
 

@@ -268,6 +268,23 @@ def test_double_backward_elsewhere_is_a_clear_error(name: str, python_path: bool
         penalty = sum(g.square().sum() for g in grads)
         with pytest.raises(RuntimeError, match=f"^{name}: double backward .*not supported"):
             torch.autograd.grad(penalty, args)
+        # The same under a non-reentrant checkpoint, which lets a saved tensor be unpacked once.
+        loss = torch.utils.checkpoint.checkpoint(lambda *xs: _tuple(fn(*xs))[0].square().sum(), *args,
+                                                 use_reentrant=False)
+        for a, b in zip(torch.autograd.grad(loss, args, create_graph=True), want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_second_order_through_residual_out_alone(python_path: bool) -> None:
+    """fused_add_rmsnorm's residual_out is input + residual: where only it reaches the loss, the backward hands
+    its gradient on, and a second-order gradient through it is the sum's, on either path."""
+    a, r, w = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((4, 6), (4, 6), (6,)))
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        h = ops.fused_add_rmsnorm(a, r, w)[1]
+        (g,) = torch.autograd.grad(h.pow(3).sum(), a, create_graph=True)
+        (got,) = torch.autograd.grad(g.sum(), a)
+    torch.testing.assert_close(got, 6 * (a + r).detach(), rtol=1e-12, atol=1e-12)
 
 
 FUNC_GRAD = r"""
@@ -287,6 +304,17 @@ for name, (fn, args, node, reference) in _cases(sys.argv[1], torch.float64).item
     want = torch.func.grad(lambda *xs: loss(reference, *xs), argnums=nums)(*plain)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    # grad of grad: where the backward has a formula, the second derivative; the norms refuse it clearly (their
+    # kernels run below every level: an outer level would otherwise see a constant and give zeros)
+    def nested(f):
+        return torch.func.grad(lambda x: torch.func.grad(lambda t: loss(f, t, *plain[1:]))(x).sum())(plain[0])
+    try:
+        second = nested(fn)
+    except RuntimeError as e:
+        assert name in ("rms_norm", "fused_add_rmsnorm", "fused_relu_layernorm"), (name, e)
+        assert str(e).startswith(name + ": double backward"), e
+    else:
+        torch.testing.assert_close(second, nested(reference), rtol=1e-9, atol=1e-9)
     print(name, "ok")
 """
 
@@ -296,7 +324,8 @@ def test_torch_func_grad_takes_the_cxx_path(device: str, cxx_autograd_glue: Path
     """torch.func.grad records the backward (its transforms always do) and calls the registered ops, whose
     Autograd kernels are the C++ Nodes where the glue was loaded before a process first used them (a fresh
     process here: in this one another test may have given an op its Python formula first, which torch.func's
-    transforms refuse): a first-order gradient through every op, the norms included, matches float64."""
+    transforms refuse): a first-order gradient through every op, the norms included, matches float64; a
+    grad of grad matches it where the backward has a formula and is a clear error for the norms."""
     result = run_python(FUNC_GRAD.replace("sys.argv[1]", repr(device)))
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.split() == [w for name in CASES for w in (name, "ok")], result.stdout
