@@ -47,23 +47,24 @@ def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return grad if grad.shape == shape else grad.sum_to_size(shape)
 
 
-def _grad_lhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    return _sum_to(torch.matmul(grad_pre, rhs.mT), lhs.shape)
+def _grad_lhs(grad_pre: torch.Tensor, lhs_shape: torch.Size, rhs: torch.Tensor) -> torch.Tensor:
+    return _sum_to(torch.matmul(grad_pre, rhs.mT), lhs_shape)
 
 
-def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    if rhs.dim() == 3 and rhs.shape[0] != 1:
-        return _sum_to(torch.matmul(lhs.mT, grad_pre), rhs.shape)
+def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs_shape: torch.Size, rhs_stride: tuple[int, ...]) -> torch.Tensor:
+    """rhs's gradient from lhs and rhs's shape and strides (rhs itself is not kept where lhs needs no gradient)."""
+    if len(rhs_shape) == 3 and rhs_shape[0] != 1:
+        return _sum_to(torch.matmul(lhs.mT, grad_pre), rhs_shape)
     # One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
-    k, n = rhs.shape[-2], rhs.shape[-1]
+    k, n = rhs_shape[-2], rhs_shape[-1]
     lhs2, grad2 = lhs.reshape(-1, k), grad_pre.reshape(-1, n)
-    if rhs.stride(-2) == 1 and rhs.stride(-1) != 1:
+    if rhs_stride[-2] == 1 and rhs_stride[-1] != 1:
         # rhs is a transposed view (the layer's weight.t()): a gradient of the same layout is what
         # accumulates into the weight without a copy.
         grad = (grad2.mT @ lhs2).mT
     else:
         grad = lhs2.mT @ grad2
-    return grad.reshape(rhs.shape)
+    return grad.reshape(rhs_shape)
 
 
 def _register(ns: str) -> None:
@@ -79,7 +80,11 @@ def _register(ns: str) -> None:
 
     def setup_context(ctx, inputs, output) -> None:
         lhs, rhs, bias = inputs
-        ctx.save_for_backward(lhs, rhs, output)
+        # As aten's addmm (and the C++ path): lhs kept only where rhs needs a gradient, rhs only where lhs does
+        # (a frozen weight does not keep the layer's input alive); their shapes always.
+        need = ctx.needs_input_grad
+        ctx.save_for_backward(lhs if need[1] else None, rhs if need[0] else None, output)
+        ctx.lhs_shape, ctx.rhs_shape, ctx.rhs_stride = lhs.shape, rhs.shape, rhs.stride()
         ctx.bias_shape = None if bias is None else bias.shape
 
     @fakes.register_fake(f"{ns}::relu_bias_backward")
@@ -104,8 +109,8 @@ def _register(ns: str) -> None:
             grad_pre = torch.ops.aten.threshold_backward(grad, out, 0)
             if want_bias:
                 grad_bias = _sum_to(grad_pre, ctx.bias_shape)
-        grad_lhs = _grad_lhs(grad_pre, lhs, rhs) if ctx.needs_input_grad[0] else None
-        grad_rhs = _grad_rhs(grad_pre, lhs, rhs) if ctx.needs_input_grad[1] else None
+        grad_lhs = _grad_lhs(grad_pre, ctx.lhs_shape, rhs) if ctx.needs_input_grad[0] else None
+        grad_rhs = _grad_rhs(grad_pre, lhs, ctx.rhs_shape, ctx.rhs_stride) if ctx.needs_input_grad[1] else None
         return grad_lhs, grad_rhs, grad_bias
 
     eager.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)

@@ -49,21 +49,29 @@ inline Tensor reduce_to(const Tensor& grad, c10::IntArrayRef shape) {
   return grad.sizes() == shape ? grad : grad.sum_to_size(shape);
 }
 
-inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, const Tensor& rhs) {
-  if (rhs.dim() == 3 && rhs.size(0) != 1) return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs.sizes());
+// rhs a transposed view (the layer's weight.t()): a gradient of that layout accumulates into the weight without
+// a copy.
+inline bool transposed(c10::IntArrayRef strides) {
+  const size_t d = strides.size();
+  return strides[d - 2] == 1 && strides[d - 1] != 1;
+}
+
+// rhs's gradient from lhs and rhs's sizes and strides (rhs itself is not kept where lhs needs no gradient).
+inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, c10::IntArrayRef rhs_sizes,
+                       c10::IntArrayRef rhs_strides) {
+  if (rhs_sizes.size() == 3 && rhs_sizes[0] != 1) return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs_sizes);
   // One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
-  const int64_t k = rhs.size(-2), n = rhs.size(-1);
+  const int64_t k = rhs_sizes[rhs_sizes.size() - 2], n = rhs_sizes[rhs_sizes.size() - 1];
   Tensor lhs2 = lhs.reshape({-1, k}), grad2 = grad_pre.reshape({-1, n});
-  // rhs a transposed view (the layer's weight.t()): a gradient of that layout accumulates into the weight
-  // without a copy.
-  Tensor grad = rhs.stride(-2) == 1 && rhs.stride(-1) != 1 ? at::matmul(grad2.mT(), lhs2).mT()
-                                                           : at::matmul(lhs2.mT(), grad2);
-  return grad.reshape(rhs.sizes());
+  Tensor grad = transposed(rhs_strides) ? at::matmul(grad2.mT(), lhs2).mT() : at::matmul(lhs2.mT(), grad2);
+  return grad.reshape(rhs_sizes);
 }
 
 struct Backward final : torch::autograd::Node {
+  // As aten's addmm: lhs is kept only where rhs needs a gradient, rhs only where lhs does (a frozen weight does
+  // not keep the layer's input alive); their shapes always.
   SavedVariable lhs, rhs, y;
-  std::vector<int64_t> bias_shape;
+  std::vector<int64_t> lhs_sizes, rhs_sizes, rhs_strides, bias_shape;
   bool has_bias = false;
   std::optional<c10::TypedOperatorHandle<ReluBias>> relu_bias;  // set by kernel(): handles have no default
 
@@ -74,7 +82,7 @@ struct Backward final : torch::autograd::Node {
     const bool need_a = task_should_compute_output(0), need_b = task_should_compute_output(1);
     const bool need_c = has_bias && task_should_compute_output(2);
     const Tensor& g = grads[0];
-    if (a.dim() == 2 && b.dim() == 2) {
+    if (lhs_sizes.size() == 2 && rhs_sizes.size() == 2) {
       // The linear layer's case, as aten's AddmmBackward does it: two mm and a column sum, no matmul or
       // sum_to_size (composites that cost several dispatches each).
       Tensor grad_pre, gc;
@@ -88,12 +96,12 @@ struct Backward final : torch::autograd::Node {
       }
       Tensor ga = need_a ? at::mm(grad_pre, b.t()) : Tensor();
       Tensor gb;
-      if (need_b) gb = b.stride(0) == 1 && b.stride(1) != 1 ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
+      if (need_b) gb = transposed(rhs_strides) ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
       return {ga, gb, gc};
     }
     Tensor grad_pre = at::threshold_backward(g, out, 0);
-    Tensor ga = need_a ? reduce_to(at::matmul(grad_pre, b.mT()), a.sizes()) : Tensor();
-    Tensor gb = need_b ? grad_rhs(grad_pre, a, b) : Tensor();
+    Tensor ga = need_a ? reduce_to(at::matmul(grad_pre, b.mT()), lhs_sizes) : Tensor();
+    Tensor gb = need_b ? grad_rhs(grad_pre, a, rhs_sizes, rhs_strides) : Tensor();
     Tensor gc = need_c ? reduce_to(grad_pre, bias_shape) : Tensor();
     return {ga, gb, gc};
   }
@@ -113,8 +121,11 @@ inline auto kernel(c10::TypedOperatorHandle<Forward> forward, c10::TypedOperator
     const Tensor c = or_undefined(bias);
     if (torch::autograd::compute_requires_grad(lhs, rhs, c)) {
       auto node = make_node<Backward>(lhs, rhs, c);
-      node->lhs = SavedVariable(lhs, false);
-      node->rhs = SavedVariable(rhs, false);
+      if (torch::autograd::compute_requires_grad(rhs)) node->lhs = SavedVariable(lhs, false);
+      if (torch::autograd::compute_requires_grad(lhs)) node->rhs = SavedVariable(rhs, false);
+      node->lhs_sizes = lhs.sizes().vec();
+      node->rhs_sizes = rhs.sizes().vec();
+      node->rhs_strides = rhs.strides().vec();
       node->has_bias = c.defined();
       node->relu_bias = relu_bias;
       if (c.defined()) node->bias_shape = c.sizes().vec();

@@ -275,6 +275,35 @@ def test_double_backward_elsewhere_is_a_clear_error(name: str, python_path: bool
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("shapes", [((9, 12), (12, 5)), ((2, 9, 12), (12, 5)), ((2, 9, 12), (2, 12, 5))], ids=str)
+@pytest.mark.parametrize("frozen", ["rhs", "lhs"])
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+def test_matmul_keeps_only_what_its_gradients_read(shapes: tuple, frozen: str, python_path: bool) -> None:
+    """As aten's addmm: with the weight frozen, the layer's input is not kept for the backward (it would stay alive
+    as long as the graph does), and with the input needing no gradient, the weight is not; the gradients that are
+    asked for match float64, for a transposed weight too."""
+    torch.manual_seed(8)
+    lhs = torch.randn(*shapes[0], dtype=torch.float64)
+    rhs = torch.randn(*shapes[1], dtype=torch.float64)
+    if rhs.dim() == 2:
+        rhs = rhs.t().contiguous().t()  # the layer's weight.t(): a transposed view
+    bias = torch.randn(shapes[1][-1], dtype=torch.float64, requires_grad=True)
+    trained = rhs if frozen == "lhs" else lhs
+    trained.requires_grad_()
+    saved: list[int] = []
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+            y = ops.fused_matmul_add_relu(lhs, rhs, bias)
+        got = torch.autograd.grad(y.square().sum(), [trained, bias])
+    # The trained one's gradient reads the frozen one; nothing reads the trained one.
+    assert trained.data_ptr() not in saved and (rhs if frozen == "rhs" else lhs).data_ptr() in saved, saved
+    ref = [t.detach().clone().requires_grad_(t is trained) for t in (lhs, rhs)]
+    b = bias.detach().clone().requires_grad_()
+    want = torch.autograd.grad(torch.relu(ref[0] @ ref[1] + b).square().sum(), [ref[0] if frozen == "rhs" else ref[1], b])
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
 def test_second_order_through_residual_out_alone(python_path: bool) -> None:
     """fused_add_rmsnorm's residual_out is input + residual: where only it reaches the loss, the backward hands
