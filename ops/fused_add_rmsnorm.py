@@ -35,7 +35,7 @@ from opbuilder.ops._checks import check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
-from opbuilder.torchop.once import once_differentiable, refuse_nested_grad
+from opbuilder.torchop.once import once_differentiable, refuse_forward_ad, refuse_nested_grad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -223,6 +223,7 @@ def fused_add_rmsnorm(
         out, residual_out = reference(*args)
         return out.contiguous(), residual_out.contiguous()  # as the kernel's outputs
     refuse_nested_grad("fused_add_rmsnorm")
+    refuse_forward_ad("fused_add_rmsnorm", *args[:3])
     return fused_add_rmsnorm_op()(*args)
 
 
@@ -246,6 +247,7 @@ def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tor
     if inline(input):  # a small call under torch.compile: Inductor fuses the definition with its neighbours
         return _rms(input, weight, eps).contiguous()  # as the kernel's output
     refuse_nested_grad("rms_norm")
+    refuse_forward_ad("rms_norm", input, weight)
     return rms_norm_op()(input, weight, eps)
 
 

@@ -22,6 +22,7 @@ from opbuilder.ops._checks import FLOAT_DTYPES, check_float, check_same
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
+from opbuilder.torchop.once import refuse_forward_ad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -259,6 +260,7 @@ def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tens
         if bias is not None and lhs.dim() == 2 and rhs.dim() == 2:
             return torch.relu(torch.addmm(bias, lhs, rhs)).contiguous()  # bias added before rounding, as ours
         return reference(lhs, rhs, bias).contiguous()  # as the kernel's output
+    refuse_forward_ad(_OP, lhs, rhs, bias)
     return fused_matmul_add_relu_op()(lhs, rhs, bias)
 
 

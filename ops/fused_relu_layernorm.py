@@ -16,7 +16,7 @@ from opbuilder.ops._checks import check_float, check_same, check_tensor
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
-from opbuilder.torchop.once import once_differentiable, refuse_nested_grad
+from opbuilder.torchop.once import once_differentiable, refuse_forward_ad, refuse_nested_grad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -175,6 +175,7 @@ def fused_relu_layernorm(
         y = reference(x, weight, bias, eps).contiguous()  # as the kernel's output
     else:
         refuse_nested_grad(_OP)
+        refuse_forward_ad(_OP, *args[:3])
         y = fused_relu_layernorm_op()(*args)[0]
     return y if out_dtype is None else y.to(out_dtype)
 

@@ -17,6 +17,7 @@ from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
+from opbuilder.torchop.once import refuse_forward_ad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -140,6 +141,7 @@ def relu(x: torch.Tensor) -> torch.Tensor:
         return ops.relu.nograd(x)
     if inline(x):  # a small call under torch.compile: Inductor fuses torch.relu with its neighbours
         return reference(x).contiguous()  # as the kernel's output
+    refuse_forward_ad("relu", x)
     # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
     if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
         return relu_mask_op()(x)[0]

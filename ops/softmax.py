@@ -23,6 +23,7 @@ from opbuilder.ops._checks import FLOAT_DTYPES, check_float
 from opbuilder.torchop import eager, fakes, sharding
 from opbuilder.torchop.inline import inline
 from opbuilder.torchop.lazy import LazyOps
+from opbuilder.torchop.once import refuse_forward_ad
 
 if TYPE_CHECKING:
     from opbuilder.dispatch.record import Cost, Record, Shape
@@ -139,6 +140,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     elif inline(x):  # a small call under torch.compile: Inductor fuses torch.softmax with its neighbours
         op = _definition  # in the layout the kernel's output has
     else:
+        refuse_forward_ad(_OP, x)
         op = forward_op()
     if dim == ndim - 1 and ndim:
         return op(x)

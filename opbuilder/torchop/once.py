@@ -1,5 +1,6 @@
-"""Backwards without a backward of their own (the norms'): the Python gradient path's counterpart of
-``once_differentiable`` in kernels/autograd/autograd.h.
+"""What the ops' gradients do not have, refused clearly on either path: a double backward (the norms'; the
+Python gradient path's counterpart of ``once_differentiable`` in kernels/autograd/autograd.h), nested
+torch.func gradients through them, and forward-mode AD.
 
 Where a backward is itself recorded (``create_graph=True``), its results come out with a node that raises a
 clear error when, and only when, a second-order gradient reaches it; the node's edges are those of the
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 
 def double_backward_error(op: str) -> str:
@@ -22,6 +24,18 @@ def double_backward_error(op: str) -> str:
 
 
 _TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
+
+
+def refuse_forward_ad(op: str, *tensors: torch.Tensor | None) -> None:
+    """Raise NotImplementedError where an input carries a forward-mode tangent (``torch.autograd.forward_ad``):
+    the ops have no forward formula. The C++ path's kernels refuse it themselves; the Python path's formulas
+    (``torch.library.register_autograd``) would let the call through and drop the tangent, a wrong answer.
+    Only read where a dual level is open (the eager path's ``direct`` check is false there), not under Dynamo."""
+    if torch.compiler.is_compiling() or forward_ad._current_level < 0:
+        return
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(
+            f"Trying to use forward AD with opbuilder's {op}, which does not support it (no forward-mode formula)")
 
 
 def refuse_nested_grad(op: str) -> None:

@@ -304,6 +304,36 @@ def test_matmul_keeps_only_what_its_gradients_read(shapes: tuple, frozen: str, p
         torch.testing.assert_close(a, w, rtol=1e-12, atol=1e-12)
 
 
+FORWARD_AD = r"""
+import sys, torch
+import torch.autograd.forward_ad as fwAD
+sys.path.insert(0, "tests")
+from torchop.test_cxx_autograd import _cases
+
+for name, (fn, args, node, reference) in _cases("cpu", torch.float64).items():
+    plain = [a.detach() for a in args]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(plain[0], torch.ones_like(plain[0]))
+        try:
+            fn(dual, *plain[1:])
+        except NotImplementedError as e:
+            assert f"forward AD with opbuilder's {name}" in str(e), e
+            print(name, "refused")
+        else:
+            print(name, "passed through")
+"""
+
+
+@pytest.mark.parametrize("cxx", ["1", "0"], ids=["cxx", "python"])
+def test_forward_ad_is_refused_on_either_path(cxx: str, cxx_autograd_glue: Path) -> None:
+    """The ops have no forward-mode formula: a dual input is refused with the op's name on both paths (the Python
+    path's formulas, torch.library's, let it through and dropped the tangent: a wrong answer). A fresh process,
+    so that with OPB_CXX_AUTOGRAD=0 the registered ops carry the Python formulas."""
+    result = run_python(FORWARD_AD, env={"OPB_CXX_AUTOGRAD": cxx})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split() == [w for name in CASES for w in (name, "refused")], result.stdout
+
+
 @pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
 def test_second_order_through_residual_out_alone(python_path: bool) -> None:
     """fused_add_rmsnorm's residual_out is input + residual: where only it reaches the loss, the backward hands
