@@ -52,16 +52,21 @@ def _grad_lhs(grad_pre: torch.Tensor, lhs_shape: torch.Size, rhs: torch.Tensor) 
     return _sum_to(torch.matmul(grad_pre, rhs.mT), lhs_shape)
 
 
-def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs_shape: torch.Size, rhs_stride: tuple[int, ...]) -> torch.Tensor:
-    """rhs's gradient from lhs and rhs's shape and strides (rhs itself is not kept where lhs needs no gradient)."""
+def _transposed(rhs: torch.Tensor) -> bool:
+    """Whether rhs is a transposed view (the layer's weight.t()): a gradient of the same layout is what
+    accumulates into the weight without a copy."""
+    return rhs.stride(-2) == 1 and rhs.stride(-1) != 1
+
+
+def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs_shape: torch.Size, rhs_transposed: bool) -> torch.Tensor:
+    """rhs's gradient from lhs, rhs's shape and whether rhs is transposed (rhs itself is not kept where lhs
+    needs no gradient)."""
     if len(rhs_shape) == 3 and rhs_shape[0] != 1:
         return _sum_to(torch.matmul(lhs.mT, grad_pre), rhs_shape)
     # One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
     k, n = rhs_shape[-2], rhs_shape[-1]
     lhs2, grad2 = lhs.reshape(-1, k), grad_pre.reshape(-1, n)
-    if rhs_stride[-2] == 1 and rhs_stride[-1] != 1:
-        # rhs is a transposed view (the layer's weight.t()): a gradient of the same layout is what
-        # accumulates into the weight without a copy.
+    if rhs_transposed:
         grad = (grad2.mT @ lhs2).mT
     else:
         grad = lhs2.mT @ grad2
@@ -85,7 +90,7 @@ def _register(ns: str) -> None:
         # (a frozen weight does not keep the layer's input alive); their shapes always.
         need = ctx.needs_input_grad
         ctx.save_for_backward(lhs if need[1] else None, rhs if need[0] else None, output)
-        ctx.lhs_shape, ctx.rhs_shape, ctx.rhs_stride = lhs.shape, rhs.shape, rhs.stride()
+        ctx.lhs_shape, ctx.rhs_shape, ctx.rhs_transposed = lhs.shape, rhs.shape, _transposed(rhs)
         ctx.bias_shape = None if bias is None else bias.shape
 
     @fakes.register_fake(f"{ns}::relu_bias_backward")
@@ -111,7 +116,7 @@ def _register(ns: str) -> None:
             if want_bias:
                 grad_bias = _sum_to(grad_pre, ctx.bias_shape)
         grad_lhs = _grad_lhs(grad_pre, ctx.lhs_shape, rhs) if ctx.needs_input_grad[0] else None
-        grad_rhs = _grad_rhs(grad_pre, lhs, ctx.rhs_shape, ctx.rhs_stride) if ctx.needs_input_grad[1] else None
+        grad_rhs = _grad_rhs(grad_pre, lhs, ctx.rhs_shape, ctx.rhs_transposed) if ctx.needs_input_grad[1] else None
         return grad_lhs, grad_rhs, grad_bias
 
     eager.register_autograd(f"{ns}::{_OP}", backward, setup_context=setup_context)

@@ -474,7 +474,7 @@ def matmul_case(b: Bench, shape: tuple[int, int, int, int]) -> None:
         out = torch.matmul(lhs, rhs)
         gp = torch.ops.aten.threshold_backward(grads[i % n], out, 0)
         fm._grad_lhs(gp, lhs.shape, rhs)
-        fm._grad_rhs(gp, lhs, rhs.shape, rhs.stride())
+        fm._grad_rhs(gp, lhs, rhs.shape, fm._transposed(rhs))
 
     outs = [torch.matmul(s[0], s[1]) for s in sets[:1]]
     gps = [torch.ops.aten.threshold_backward(grads[0], outs[0], 0)]
@@ -484,7 +484,7 @@ def matmul_case(b: Bench, shape: tuple[int, int, int, int]) -> None:
         "part: mask pass": (lambda i: torch.ops.aten.threshold_backward(grads[i % n], outs[0], 0), None),
         "part: GEMM grad_lhs": (lambda i: fm._grad_lhs(gps[0], sets[i % n][0].shape, sets[i % n][1]), None),
         "part: GEMM grad_rhs": (lambda i: fm._grad_rhs(gps[0], sets[i % n][0], sets[i % n][1].shape,
-                                                                sets[i % n][1].stride()), None),
+                                                                fm._transposed(sets[i % n][1])), None),
     }
     # check the op's step against float64 once
     reset(0)

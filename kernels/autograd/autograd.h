@@ -71,7 +71,6 @@ inline std::string double_backward_error(const char* op) {
          "once, or use the unfused PyTorch ops for higher-order gradients";
 }
 
-
 // How torch owns a Node: std::shared_ptr up to torch 2.12, c10::intrusive_ptr since.
 using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
 constexpr bool kSharedNodes = std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>;

@@ -3,6 +3,7 @@
 #include "fused_add_rmsnorm.cuh"
 #include "fused_add_rmsnorm_kernel.cuh"
 #include "fused_add_rmsnorm_plan.cuh"
+#include "common/multiprocessors.h"
 
 #include <climits>
 #include <map>
@@ -64,7 +65,7 @@ template <typename T>
 Plan make_plan(int64_t rows, int64_t hidden) {
   constexpr int P = kPack<T>;
   Plan p;
-  const int sms = plan::multiprocessors();
+  const int sms = opb::multiprocessors();
   if constexpr (!std::is_same_v<T, double>) {
     p.rp = plan::rows_plan(hidden / P, kMaxNv, kMaxTpr, kShortThreads);
     if (hidden % P == 0 && p.rp.ok) {

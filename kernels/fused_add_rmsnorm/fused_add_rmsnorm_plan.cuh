@@ -4,8 +4,6 @@
 
 #include <cstdint>
 
-#include "common/multiprocessors.h"
-
 namespace opb::fused_add_rmsnorm::plan {
 
 inline int next_pow2(int64_t v) {
@@ -57,7 +55,5 @@ inline int loop_threads(int64_t units) {
   int64_t t = round_up(ceil_div(units, 8), 32);
   return static_cast<int>(t < 32 ? 32 : (t > 1024 ? 1024 : t));
 }
-
-using opb::multiprocessors;
 
 }  // namespace opb::fused_add_rmsnorm::plan

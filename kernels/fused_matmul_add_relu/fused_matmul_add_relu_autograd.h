@@ -56,23 +56,23 @@ inline bool transposed(c10::IntArrayRef strides) {
   return strides[d - 2] == 1 && strides[d - 1] != 1;
 }
 
-// rhs's gradient from lhs and rhs's sizes and strides (rhs itself is not kept where lhs needs no gradient).
-inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, c10::IntArrayRef rhs_sizes,
-                       c10::IntArrayRef rhs_strides) {
+// rhs's gradient from lhs, rhs's sizes and whether rhs is transposed (rhs itself is not kept where lhs needs no
+// gradient).
+inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, c10::IntArrayRef rhs_sizes, bool rhs_transposed) {
   if (rhs_sizes.size() == 3 && rhs_sizes[0] != 1) return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs_sizes);
   // One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
   const int64_t k = rhs_sizes[rhs_sizes.size() - 2], n = rhs_sizes[rhs_sizes.size() - 1];
   Tensor lhs2 = lhs.reshape({-1, k}), grad2 = grad_pre.reshape({-1, n});
-  Tensor grad = transposed(rhs_strides) ? at::matmul(grad2.mT(), lhs2).mT() : at::matmul(lhs2.mT(), grad2);
+  Tensor grad = rhs_transposed ? at::matmul(grad2.mT(), lhs2).mT() : at::matmul(lhs2.mT(), grad2);
   return grad.reshape(rhs_sizes);
 }
 
 struct Backward final : torch::autograd::Node {
   // As aten's addmm: lhs is kept only where rhs needs a gradient, rhs only where lhs does (a frozen weight does
-  // not keep the layer's input alive); their shapes always.
+  // not keep the layer's input alive); their shapes, and whether rhs is transposed, always.
   SavedVariable lhs, rhs, y;
-  std::vector<int64_t> lhs_sizes, rhs_sizes, rhs_strides, bias_shape;
-  bool has_bias = false;
+  std::vector<int64_t> lhs_sizes, rhs_sizes, bias_shape;
+  bool has_bias = false, rhs_transposed = false;
   std::optional<c10::TypedOperatorHandle<ReluBias>> relu_bias;  // set by kernel(): handles have no default
 
   variable_list apply(variable_list&& grads) override {
@@ -96,12 +96,12 @@ struct Backward final : torch::autograd::Node {
       }
       Tensor ga = need_a ? at::mm(grad_pre, b.t()) : Tensor();
       Tensor gb;
-      if (need_b) gb = transposed(rhs_strides) ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
+      if (need_b) gb = rhs_transposed ? at::mm(grad_pre.t(), a).t() : at::mm(a.t(), grad_pre);
       return {ga, gb, gc};
     }
     Tensor grad_pre = at::threshold_backward(g, out, 0);
     Tensor ga = need_a ? reduce_to(at::matmul(grad_pre, b.mT()), lhs_sizes) : Tensor();
-    Tensor gb = need_b ? grad_rhs(grad_pre, a, rhs_sizes, rhs_strides) : Tensor();
+    Tensor gb = need_b ? grad_rhs(grad_pre, a, rhs_sizes, rhs_transposed) : Tensor();
     Tensor gc = need_c ? reduce_to(grad_pre, bias_shape) : Tensor();
     return {ga, gb, gc};
   }
@@ -125,7 +125,7 @@ inline auto kernel(c10::TypedOperatorHandle<Forward> forward, c10::TypedOperator
       if (torch::autograd::compute_requires_grad(lhs)) node->rhs = SavedVariable(rhs, false);
       node->lhs_sizes = lhs.sizes().vec();
       node->rhs_sizes = rhs.sizes().vec();
-      node->rhs_strides = rhs.strides().vec();
+      node->rhs_transposed = transposed(rhs.strides());
       node->has_bias = c.defined();
       node->relu_bias = relu_bias;
       if (c.defined()) node->bias_shape = c.sizes().vec();

@@ -12,9 +12,6 @@
 
 namespace opb::fused_relu_layernorm {
 
-// Read once per device (kernels/common/multiprocessors.h), not at every launch.
-inline int sm_count() { return opb::multiprocessors(); }
-
 inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Elements per 16-byte pack.
@@ -49,7 +46,7 @@ template <typename T, int VEC>
 cudaError_t fwd_any(const FwdArgs& a, cudaStream_t stream) {
   using A = acc_t<T>;
   const int threads = any_threads((a.hidden + VEC - 1) / VEC);
-  const int64_t blocks = std::min<int64_t>(a.rows, int64_t(sm_count()) * (2048 / threads) * 4);
+  const int64_t blocks = std::min<int64_t>(a.rows, int64_t(opb::multiprocessors()) * (2048 / threads) * 4);
   fwd_any_kernel<T, A, VEC><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.b), static_cast<T*>(a.y),
       static_cast<A*>(a.mean), static_cast<A*>(a.rstd), a.rows, a.hidden, static_cast<A>(a.eps));
@@ -132,7 +129,7 @@ BwdPlan bwd_reg(const BwdArgs& a, cudaStream_t stream, bool launch) {
     return n;
   }();
   const int64_t groups = (a.rows + ROWS - 1) / ROWS;
-  const int64_t grid = std::min<int64_t>(groups, int64_t(sm_count()) * per_sm);
+  const int64_t grid = std::min<int64_t>(groups, int64_t(opb::multiprocessors()) * per_sm);
   BwdPlan plan{a.dw != nullptr ? grid : 0, cudaSuccess};
   if (!launch) return plan;
   float* pw = static_cast<float*>(a.workspace);
@@ -151,14 +148,14 @@ BwdPlan bwd_any(const BwdArgs& a, cudaStream_t stream, bool launch) {
   using A = acc_t<T>;
   const int64_t col_blocks = (a.hidden + 31) / 32;
   // Enough (column block, row chunk) CTAs to fill the GPU a few times over.
-  int64_t chunks = std::max<int64_t>(1, (int64_t(sm_count()) * 8 + col_blocks - 1) / col_blocks);
+  int64_t chunks = std::max<int64_t>(1, (int64_t(opb::multiprocessors()) * 8 + col_blocks - 1) / col_blocks);
   chunks = std::min<int64_t>({chunks, a.rows, 65535});
   const int64_t rows_per_chunk = (a.rows + chunks - 1) / chunks;
   chunks = (a.rows + rows_per_chunk - 1) / rows_per_chunk;
   BwdPlan plan{a.dw != nullptr ? chunks : 0, cudaSuccess};
   if (!launch) return plan;
   const int threads = any_threads((a.hidden + VEC - 1) / VEC);
-  const int64_t blocks = std::min<int64_t>(a.rows, int64_t(sm_count()) * (2048 / threads) * 4);
+  const int64_t blocks = std::min<int64_t>(a.rows, int64_t(opb::multiprocessors()) * (2048 / threads) * 4);
   bwd_any_kernel<T, A, VEC><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
       static_cast<const T*>(a.dy), static_cast<const T*>(a.x), static_cast<const T*>(a.w),
       static_cast<const A*>(a.mean), static_cast<const A*>(a.rstd), static_cast<T*>(a.dx), a.rows, a.hidden);
