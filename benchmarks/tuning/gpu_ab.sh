@@ -1,6 +1,8 @@
 # The compiled and eager training step of two trees on one machine, in turns (issue 23): this checkout and the
-# one `patch -R` of PATCH gives (the previous tree), each installed in its turn.
-#   OUT=$OUT PATCH=benchmarks/tuning/ab_session10.patch bash benchmarks/tuning/gpu_ab.sh
+# one `patch -R` of PATCH gives (the previous tree), each installed in its turn. Make the patch here first, left
+# untracked so that the device's copy of the tree carries it (the device has no git):
+#   git diff OLD HEAD -- kernels ops opbuilder > ab.patch
+#   OUT=$OUT PATCH=ab.patch bash benchmarks/tuning/gpu_ab.sh
 source benchmarks/tuning/prelude.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 here=$(pwd)
