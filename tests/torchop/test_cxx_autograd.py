@@ -409,9 +409,10 @@ def test_only_the_used_inputs_get_gradients(python_path: bool) -> None:
         out, h = ops.fused_add_rmsnorm(a, r, w)  # out alone: the kernel's gradients, the weight's too
         gw = torch.autograd.grad(out.sum(), [w])[0]
         torch.testing.assert_close(gw, torch.autograd.grad(torch.nn.functional.rms_norm(a + r, (8,), w, 1e-6).sum(), w)[0])
-    if python_path:
-        return
-    # no weight, no bias: the Node has no edge for them, and the leaf x gets its .grad as with torch's ops
+
+
+def test_a_norm_without_weight_and_bias_gets_no_edges_for_them() -> None:
+    """No weight, no bias: the Node has no edge for them, and the leaf x gets its .grad as with torch's ops."""
     x = torch.randn(3, 8, requires_grad=True)
     y = ops.fused_relu_layernorm(x, None, None)
     assert y.grad_fn.name() == "opbuilder::FusedReluLayerNormBackward"
