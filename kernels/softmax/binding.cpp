@@ -105,10 +105,15 @@ opb::softmax::Plan plan_from(const std::vector<int64_t>& plan, const char* op) {
   return p;
 }
 
+// The split path's partial results; no tensor for the other paths (an allocation through the C shim is a
+// dispatcher call, about a microsecond of a call that costs ten).
 Tensor workspace_for(const Tensor& like, const opb::softmax::Plan& plan, const opb::softmax::Problem& p) {
   const size_t bytes = opb::softmax::workspace_bytes(plan, p);
+  if (bytes == 0) return Tensor();
   return opb::new_tensor(like, {static_cast<int64_t>(bytes)}, opb::ScalarType::Byte);
 }
+
+void* data_or_null(Tensor& t) { return t.defined() ? t.mutable_data_ptr() : nullptr; }
 
 Tensor forward_cuda_plan(const Tensor& x, const std::optional<opb::softmax::Plan>& chosen) {
   Tensor xc = prepare_forward(x);
@@ -121,7 +126,7 @@ Tensor forward_cuda_plan(const Tensor& x, const std::optional<opb::softmax::Plan
   STD_TORCH_CHECK(why == nullptr, kForward, ": plan cannot run rows=", p.rows, " cols=", p.cols, ": ", why);
   Tensor workspace = workspace_for(xc, plan, p);
   opb::check_launch(opb::softmax::forward(p, plan, xc.const_data_ptr(), y.mutable_data_ptr(),
-                                          workspace.mutable_data_ptr(), opb::stream_of(xc)),
+                                          data_or_null(workspace), opb::stream_of(xc)),
                     kForward);
   return y;
 }
@@ -138,7 +143,7 @@ Tensor backward_cuda_plan(const Tensor& y, const Tensor& grad_y, const std::opti
   STD_TORCH_CHECK(why == nullptr, kBackward, ": plan cannot run rows=", p.rows, " cols=", p.cols, ": ", why);
   Tensor workspace = workspace_for(yc, plan, p);
   opb::check_launch(opb::softmax::backward(p, plan, yc.const_data_ptr(), gc.const_data_ptr(),
-                                           grad_x.mutable_data_ptr(), workspace.mutable_data_ptr(),
+                                           grad_x.mutable_data_ptr(), data_or_null(workspace),
                                            opb::stream_of(yc)),
                     kBackward);
   return grad_x;

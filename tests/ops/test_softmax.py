@@ -445,3 +445,22 @@ def test_cuda_graph_capture_and_replay(shape: tuple[int, int]) -> None:
         torch.cuda.synchronize()
         _assert_close(static_y.detach(), _reference(static_x.detach()), torch.float32, shape[-1])
         _assert_grad_close(static_grad, static_y.detach(), static_g, torch.float32)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape,split", [((8, 256), False), ((8, 4096), False), ((1, 262144), True)],
+                         ids=["warp", "block", "split"])
+def test_cuda_call_allocates_a_workspace_only_for_the_split_path(shape: tuple[int, int], split: bool) -> None:
+    # Each allocation through the stable ABI's C shim is a dispatcher call (host time on every call): the output,
+    # and the split path's partial results; no empty workspace for the others.
+    from torch.profiler import ProfilerActivity, profile
+
+    x = _input(shape, torch.float32, "cuda")
+    g = _input(shape, torch.float32, "cuda", seed=3)
+    y = forward_op()(x)
+    backward_op()(y, g)
+    for call in (lambda: forward_op()(x), lambda: backward_op()(y, g)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            call()
+        made = [e.name for e in prof.events() if e.name in ("aten::empty_strided", "aten::empty")]
+        assert len(made) == (2 if split else 1), made
