@@ -43,7 +43,9 @@ OUT = Path(os.environ.get("OUT", "/tmp"))
 EPS = 1e-6
 HIDDEN = 4096
 BF16 = torch.bfloat16
-FWD = ["nv1 x512, tpr at run time", "nv1 x512 (launcher)", "nv2 x256", "nv4 x128"]  # forward_rows_kernel (q_fwd)
+FWD = ["nv1 x512, tpr at run time", "nv1 x512 (launcher)", "nv2 x256", "nv4 x128",  # forward_rows_kernel (q_fwd)
+       "nv8 x64", "nv2 x256 __ldcs", "nv2 x256 weight late",
+       "atomic sum nv1 x512", "atomic sum nv2 x256", "atomic sum nv4 x128"]  # fwd_atomic_kernel
 BWD = ["nv2 x256 (launcher)", "nv1 x512"]  # backward_rows_kernel configs (index into q_bwd)
 
 QUICK_CU = r"""// Entry points for benchmarks/tuning/quick_rmsnorm.py (not part of the op): the working tree's kernel templates
@@ -71,6 +73,56 @@ __global__ void __launch_bounds__(512) touch_kernel(const uint4* __restrict__ x,
   out[i] = make_uint4(a.x ^ c.x, a.y ^ c.y, a.z ^ c.z, a.w ^ c.w);
 }
 
+// Variant (twelfth session): forward_rows_kernel's row-in-registers forward with the row's sum of squares
+// reduced by one shared-memory atomic per warp (zeroed before the loads return) instead of a loop over the
+// warps' partial sums after the barrier: a shorter chain between the loads and the stores at 128 rows.
+template <int NV, int TPR>
+__global__ void __launch_bounds__(TPR) fwd_atomic_kernel(const bf* __restrict__ input, const bf* __restrict__ residual,
+                                                         const bf* __restrict__ weight, bf* __restrict__ out,
+                                                         bf* __restrict__ residual_out, int64_t rows, int nvec,
+                                                         int tpr_arg, float inv_hidden, float eps) {
+  using V = Vec<bf, 8>;
+  __shared__ float total;
+  if (threadIdx.x == 0) total = 0.f;
+  const int64_t base = int64_t(blockIdx.x) * nvec;
+  V a[NV], b[NV], w[NV], h[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int idx = threadIdx.x + j * TPR;
+    a[j] = reinterpret_cast<const V*>(input)[base + idx];
+    b[j] = reinterpret_cast<const V*>(residual)[base + idx];
+    w[j] = reinterpret_cast<const V*>(weight)[idx];
+  }
+  __syncthreads();  // total's zero, before any warp adds to it (the loads are still in flight)
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float f[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = to_acc(a[j].v[k]) + to_acc(b[j].v[k]);
+    from_acc_n(h[j], f);
+    reinterpret_cast<V*>(residual_out)[base + threadIdx.x + j * TPR] = h[j];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float v = to_acc(h[j].v[k]);
+      ss += v * v;
+    }
+  }
+  ss = group_sum(ss, 32);
+  if ((threadIdx.x & 31) == 0) atomicAdd(&total, ss);
+  __syncthreads();
+  const float rstd = rsqrtf(total * inv_hidden + eps);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float f[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = to_acc(h[j].v[k]) * rstd * to_acc(w[j].v[k]);
+    V o;
+    from_acc_n(o, f);
+    reinterpret_cast<V*>(out)[base + threadIdx.x + j * TPR] = o;
+  }
+}
+
 struct Cfg {
   const void* fn;
   int threads;
@@ -82,6 +134,12 @@ Cfg fwd(int v) {
     case 1: return {(const void*)&forward_rows_kernel<bf, 1, true, false, 512>, 512};
     case 2: return {(const void*)&forward_rows_kernel<bf, 2, true, false, 256>, 256};
     case 3: return {(const void*)&forward_rows_kernel<bf, 4, true, false, 128>, 128};
+    case 4: return {(const void*)&forward_rows_kernel<bf, 8, true, false, 64>, 64};
+    case 5: return {(const void*)&forward_rows_kernel<bf, 2, true, true, 256>, 256};
+    case 6: return {(const void*)&forward_rows_kernel<bf, 2, false, false, 256>, 256};
+    case 7: return {(const void*)&fwd_atomic_kernel<1, 512>, 512};
+    case 8: return {(const void*)&fwd_atomic_kernel<2, 256>, 256};
+    case 9: return {(const void*)&fwd_atomic_kernel<4, 128>, 128};
   }
   return {nullptr, 0};
 }
@@ -222,16 +280,21 @@ def set_count(footprint: int, timer: timing.CudaTimer) -> int:
     return max(1, min(wanted, 256, timer.spare_bytes() // footprint))
 
 
-def run_case(title: str, nbytes: int | dict | None, impls: dict, timer, copy_gbps: float, rounds: int = 2) -> None:
+NCU = False  # --ncu: launch each forward variant at the given rows once, time nothing (for ncu to profile)
+ROUNDS = 2
+
+
+def run_case(title: str, nbytes: int | dict | None, impls: dict, timer, copy_gbps: float, rounds: int = 0) -> None:
     """impls: name -> (step, reset or None); nbytes: the case's bytes, or each impl's (name -> bytes). Rounds
     take turns over the impls; prints one row each."""
     parts: dict[str, list] = {name: [] for name in impls}
+    rounds = rounds or ROUNDS
     for _ in range(rounds):
         for name, (step, reset) in impls.items():
             parts[name].append(timer.measure(step, reset))
     floor = f"; floor at copy {nbytes / copy_gbps / 1e3:.1f} us" if isinstance(nbytes, int) else ""
     print(f"\n== {title}{f' ({nbytes} B{floor})' if isinstance(nbytes, int) else ''}", flush=True)
-    print(f"{'impl':44s} {'median us':>9s} {'round 1':>8s} {'round 2':>8s} {'of copy':>7s}")
+    print(f"{'impl':44s} {'median us':>9s} {' '.join(f'round {k + 1:<2d}' for k in range(rounds))} {'of copy':>7s}")
     for name, p in parts.items():
         meds = [statistics.median(t.samples_us) for t in p]
         us = statistics.median(x for t in p for x in t.samples_us)
@@ -279,6 +342,18 @@ def forward_case(rows: int, timer, copy_gbps: float, fused_add_rmsnorm) -> None:
         if check(f"fwd {rows} {name} out", out, want_out) & check(f"fwd {rows} {name} h", rout, want_h, exact=True):
             impls[name] = (
                 lambda i, v=v: LIB.q_fwd(v, *map(ptr, sets[i % count]), ptr(out), ptr(rout), rows, stream()), None)
+    try:
+        from liger_kernel.transformers.functional import liger_fused_add_rms_norm
+    except ImportError:
+        liger_fused_add_rms_norm = None
+    if liger_fused_add_rms_norm is not None:
+        impls["Liger-Kernel"] = (lambda i: liger_fused_add_rms_norm(*sets[i % count], EPS, 0.0, "llama", False), None)
+    if NCU:  # each launched once more, for ncu to read (warmed up above by the checks)
+        for name, (step, _) in impls.items():
+            step(0)
+        torch.cuda.synchronize()
+        print("ncu launches done:", ", ".join(impls), flush=True)
+        return
     impls["touch (traffic, no arithmetic)"] = (
         lambda i: LIB.q_touch(*map(ptr, sets[i % count]), ptr(out), ptr(rout), rows, stream()), None)
     impls["empty kernel <<<rows, 512>>>"] = (lambda i: LIB.q_empty(rows, 512, stream()), None)
@@ -372,10 +447,16 @@ def main() -> None:
     global LIB
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true", help="build build/quick_rms/ here, then stop")
+    ap.add_argument("--rows", default="128,4096,32768", help="forward cases (comma-separated row counts)")
+    ap.add_argument("--no-backward", action="store_true", help="forward cases only")
+    ap.add_argument("--rounds", type=int, default=2, help="turns over the implementations of a case")
+    ap.add_argument("--ncu", action="store_true", help="launch each forward variant once at --rows, time nothing")
     args = ap.parse_args()
     if args.build:
         build()
         return
+    global NCU, ROUNDS
+    NCU, ROUNDS = args.ncu, args.rounds
     t0 = time.perf_counter()
     LIB = load()
     # The module (`import ... as` would give the function of that name that the package re-exports).
@@ -386,14 +467,19 @@ def main() -> None:
     results["info"].update({"bwd " + n: info(1, v) for v, n in enumerate(BWD)})
     print(results["env"], json.dumps(results["info"]), flush=True)
     timer = timing.CudaTimer(torch.device("cuda"))
+    if NCU:
+        for n in map(int, args.rows.split(",")):
+            forward_case(n, timer, 1.0, mod.fused_add_rmsnorm)
+        return
     copy = timing.copy_bandwidth(timer)
     results["copy"] = copy
     print(f"device-to-device copy: {copy['GBps']:.0f} GB/s ({copy['bytes']} B)", flush=True)
     run_case("empty kernel <<<1, 32>>>", None, {"empty": (lambda i: LIB.q_empty(1, 32, stream()), None)}, timer,
              copy["GBps"])
     stages = [(f"forward {n}", lambda n=n: forward_case(n, timer, copy["GBps"], mod.fused_add_rmsnorm))
-              for n in (128, 4096, 32768)]
-    stages.append(("backward", lambda: backward_case(timer, copy["GBps"], mod)))
+              for n in map(int, args.rows.split(","))]
+    if not args.no_backward:
+        stages.append(("backward", lambda: backward_case(timer, copy["GBps"], mod)))
     for label, fn in stages:
         try:
             fn()
