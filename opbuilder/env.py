@@ -53,9 +53,25 @@ def _get(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-def _flag(name: str) -> bool:
-    value = _get(name)
-    return value is not None and value.lower() not in ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    """A yes/no variable: unset or blank is ``default``; 1/true/yes/on or 0/false/no/off (any case, spaces around
+    ignored), or a whole number (0 no, any other yes). Anything else is refused, naming the variable: read as
+    "yes", a misspelt "off" (" 0", "disable") would turn on what it meant to turn off."""
+    raw = _get(name)
+    value = "" if raw is None else raw.strip().lower()
+    if value == "":
+        return default
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    if value.lstrip("+-").isdigit() and value.isascii():
+        return int(value) != 0
+    raise ValueError(f"{name} must be 1 (or true, yes, on) or 0 (or false, no, off), got {raw!r}")
 
 
 def cache_root() -> Path:
@@ -159,12 +175,12 @@ def trust_shared_cache() -> bool:
 
 def fallback() -> bool:
     """Whether a call falls back to the next implementation when one cannot be built or loaded here."""
-    return _get("OPB_FALLBACK") is None or _flag("OPB_FALLBACK")
+    return _flag("OPB_FALLBACK", default=True)
 
 
 def cxx_autograd() -> bool:
     """Whether gradients of the built-in ops take their C++ path (``OPB_CXX_AUTOGRAD``, default on)."""
-    return _get("OPB_CXX_AUTOGRAD") is None or _flag("OPB_CXX_AUTOGRAD")
+    return _flag("OPB_CXX_AUTOGRAD", default=True)
 
 
 #: OPB_COMPILE_INLINE_BELOW's default: 2**21 elements, between the sizes measured (benchmarks/NOTES.md, issue 23):
