@@ -13,8 +13,12 @@ When: the first call that records a gradient asks for the glue (``entry``). Buil
 background (about 15 s of CPU, once a torch version) while the calls take the Python path, and the
 calls switch once it is there; a process whose ops are never differentiated never builds it, and the first
 call of an op without a gradient never waits for it. A child process, not a thread: the build finishes
-and is kept for the next process even when this one ends first. Where the glue cannot be built or bound
-(no compiler, ``OPB_CXX_AUTOGRAD=0``), gradients keep the Python path, with one warning saying why.
+and is kept for the next process even when this one ends first; it imports the same opbuilder as this process
+(its ``sys.path``) and checks that it builds the glue this process asks for. While it runs, a call asks whether it
+has finished at most every quarter second (one clock read otherwise). A process forked meanwhile (a ``fork``
+worker) does not own that child: it looks in the cache, and starts a build of its own only when it needs one. Where
+the glue cannot be built or bound (no compiler), gradients keep the Python path, with one warning saying why; with
+``OPB_CXX_AUTOGRAD=0`` they keep it silently.
 
 The registered ops (``ns::relu``, ``ns::forward``, ...: what a trace, a ``torch.compile`` graph, DTensor and
 ``torch.ops`` calls reach) get the same C++ Nodes as their Autograd kernels (``registered``) when their
@@ -26,8 +30,10 @@ frame, a pytree walk and a redispatch on every call.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,22 +79,28 @@ def load(wait: bool = True, build: bool = True) -> bool:
     one warning."""
     if _state in ("ready", "off"):
         return _state == "ready"
+    if _state == "building" and not wait and time.monotonic() < _next_poll:
+        return False  # the background build was asked less than a poll ago: one clock read
     with _lock:
         return _load(wait, build)
 
 
+#: The last line the background build prints when it fails starts with this; the warning shows the rest.
+_ERROR_PREFIX = "opbuilder-glue-error: "
+
+
 def _load(wait: bool, build: bool = True) -> bool:
-    global _state, _namespace, _build, _build_log, _next_poll
+    global _state, _namespace, _next_poll
     if _state in ("ready", "off"):
         return _state == "ready"
-    if not env.cxx_autograd():
-        _state = "off"  # asked for: no warning
-        return False
-    from opbuilder.jit import loader
-
-    builder = _builder()
     try:
+        if not env.cxx_autograd():
+            _state = "off"  # asked for: no warning
+            return False
+        from opbuilder.jit import loader
+
         if _state == "new":
+            builder = _builder()
             handle, _ = loader.load_cached(builder.name, builder.key)
             if handle is None and wait:
                 handle = builder.load()
@@ -101,11 +113,7 @@ def _load(wait: bool, build: bool = True) -> bool:
             if reasons:
                 _off("; ".join(reasons))
                 return False
-            _build_log = tempfile.TemporaryFile()
-            _build = subprocess.Popen([sys.executable, "-m", "opbuilder.torchop.cxx_autograd"], stdin=subprocess.DEVNULL,
-                                      stdout=_build_log, stderr=subprocess.STDOUT, env=dict(os.environ),
-                                      start_new_session=True)
-            _state, _next_poll = "building", time.monotonic() + _POLL_SECONDS
+            _start_build(builder.key)
             return False
         # building
         now = time.monotonic()
@@ -116,11 +124,11 @@ def _load(wait: bool, build: bool = True) -> bool:
             _build.wait()
         elif _build.poll() is None:
             return False
-        if _build.returncode != 0:
-            _build_log.seek(0)
-            lines = [line for line in _build_log.read().decode(errors="replace").splitlines() if line.strip()]
-            _off(f"building its C++ glue failed: {lines[-1] if lines else f'exit status {_build.returncode}'}")
+        failure = _build_failure()
+        if failure is not None:
+            _off(failure)
             return False
+        builder = _builder()
         handle, _ = loader.load_cached(builder.name, builder.key)
         if handle is None:
             _off("its C++ glue was built but is not in the cache")
@@ -130,6 +138,72 @@ def _load(wait: bool, build: bool = True) -> bool:
     except Exception as exc:  # noqa: BLE001 (the Python path is always there: never fail a training step)
         _off(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return False
+
+
+def _start_build(key: str) -> None:
+    """Start the background build of the glue whose key is ``key``: a child process that imports the opbuilder
+    this process imported (this process's ``sys.path``, and not the working folder first), builds into the cache
+    and refuses to build a glue of another key. A daemon thread waits for it, so that it never lingers as a
+    zombie; at exit, a build still running is left to finish (for the next process) without a warning."""
+    global _state, _build, _build_log, _next_poll
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p and os.pathsep not in p)
+    child_env["PYTHONSAFEPATH"] = "1"
+    _build_log = tempfile.TemporaryFile()
+    _build = subprocess.Popen([sys.executable, "-m", "opbuilder.torchop.cxx_autograd", key], stdin=subprocess.DEVNULL,
+                              stdout=_build_log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    threading.Thread(target=_build.wait, name="opbuilder-glue-build", daemon=True).start()
+    _state, _next_poll = "building", time.monotonic() + _POLL_SECONDS
+
+
+def _build_failure() -> str | None:
+    """Why the finished background build failed (None: it succeeded); closes its log."""
+    global _build_log
+    code = _build.returncode
+    log, _build_log = _build_log, None
+    text = ""
+    if log is not None:
+        with log:
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+    if code == 0:
+        return None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the process building its C++ glue was killed ({name})"
+    marked = [line[len(_ERROR_PREFIX):] for line in text.splitlines() if line.startswith(_ERROR_PREFIX)]
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f"building its C++ glue failed: {marked[-1] if marked else lines[-1] if lines else f'exit status {code}'}"
+
+
+def _after_fork_in_child() -> None:
+    # A fork (a worker process) does not own the parent's build process, nor its waiting thread, nor a lock another
+    # thread held: a new lock, and a process that finds the glue in the cache or builds it when it needs it.
+    global _lock, _state, _build, _build_log
+    _lock = threading.RLock()
+    if _state == "building":
+        warnings.filterwarnings("ignore", message=f"subprocess {_build.pid} is still running", category=ResourceWarning)
+        if _build_log is not None:
+            _build_log.close()  # this process's copy of it
+        _state, _build, _build_log = "new", None, None
+
+
+def _at_exit() -> None:
+    # A background build still running at exit finishes on its own (its result is for the next process):
+    # no "still running" ResourceWarning for it when this process's objects are freed.
+    if _build is not None and _build.poll() is None:
+        warnings.filterwarnings("ignore", message=f"subprocess {_build.pid} is still running",
+                                category=ResourceWarning)
+    if _build_log is not None:
+        _build_log.close()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)
 
 
 def entry(op: str, namespace: str, name: str) -> Callable[..., Any] | None:
@@ -215,9 +289,37 @@ def state() -> str:
     return _state
 
 
-if __name__ == "__main__":  # the background build (load(wait=False)): build into the cache, say why not
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line for the warning: its first line, the compiler's first error line and the full log's
+    path where a build error carries them."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    parts = [lines[0]]
+    error = next((line for line in lines[1:] if "error" in line.lower() and not line.startswith("full log:")), None)
+    if error is None and len(lines) > 1 and not lines[1].startswith("full log:"):
+        error = lines[1]
+    if error is not None:
+        parts.append(error)
+    parts += [f"({line})" for line in lines[1:] if line.startswith("full log:")]
+    return f"{type(exc).__name__}: {' '.join(parts)}"
+
+
+def _build_main(argv: list[str]) -> int:
+    """The background build (``_start_build``): build the glue whose key is ``argv[0]`` into the cache."""
     try:
-        _builder().load()
+        builder = _builder()
+        if argv and argv[0] != builder.key:
+            import opbuilder
+
+            raise RuntimeError(f"the build process imports opbuilder from {os.path.dirname(opbuilder.__file__)}, "
+                               f"whose glue (key {builder.key[:12]}) is not the one asked for (key {argv[0][:12]})")
+        builder.load()
     except Exception as exc:  # noqa: BLE001
-        print(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-        sys.exit(1)
+        print(_ERROR_PREFIX + _one_line(exc), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_build_main(sys.argv[1:]))

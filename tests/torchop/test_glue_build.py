@@ -1,0 +1,148 @@
+"""The background build of the C++ gradient glue (opbuilder/torchop/cxx_autograd.py): what a process, its forks and
+its warnings see while the glue builds, with stand-in build processes (the real build: test_cxx_autograd.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, run_module, run_python
+from opbuilder.errors import BuildError, FallbackWarning
+from opbuilder.torchop import cxx_autograd
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., subprocess.Popen]]:
+    """This process's glue state, restored after the test; ``stand_in(code, log)`` makes a build process running
+    ``code`` (its output after ``log``) the one this process waits for."""
+    for name in ("_state", "_build", "_build_log", "_next_poll", "_namespace"):
+        monkeypatch.setattr(cxx_autograd, name, getattr(cxx_autograd, name))
+    started: list[subprocess.Popen] = []
+
+    def start(code: str, log: str = "") -> subprocess.Popen:
+        out = tempfile.TemporaryFile()
+        out.write(log.encode())
+        out.flush()
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+        started.append(proc)
+        monkeypatch.setattr(cxx_autograd, "_build", proc)
+        monkeypatch.setattr(cxx_autograd, "_build_log", out)
+        monkeypatch.setattr(cxx_autograd, "_state", "building")
+        monkeypatch.setattr(cxx_autograd, "_next_poll", 0.0)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_killed_build_is_named_as_killed(stand_in) -> None:
+    proc = stand_in("import time; time.sleep(60)", log="opbuilder: building autograd (cpu): first build here\n")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with pytest.warns(FallbackWarning, match=r"the process building its C\+\+ glue was killed \(SIGKILL\)"):
+        assert cxx_autograd.load(wait=False) is False
+    assert cxx_autograd.state() == "off" and cxx_autograd._build_log is None  # its log closed
+
+
+def test_a_failed_build_says_the_compilers_error_and_where_its_log_is(stand_in) -> None:
+    exc = BuildError("opbuilder: building op 'autograd' failed:\n  glue.cpp:80:1: error: 'this' does not name a type\n"
+                     "   80 | this is not C++;\nfull log: /cache/autograd/k.failed.log")
+    line = cxx_autograd._one_line(exc)
+    assert line == ("BuildError: opbuilder: building op 'autograd' failed: glue.cpp:80:1: error: 'this' does not name "
+                    "a type (full log: /cache/autograd/k.failed.log)")
+    marked = cxx_autograd._ERROR_PREFIX + line
+    stand_in(f"print('opbuilder: building autograd (cpu): first build here'); print({marked!r}); print('x');"
+             " raise SystemExit(1)").wait()
+    with pytest.warns(FallbackWarning) as got:
+        cxx_autograd.load(wait=False)
+    assert len(got) == 1 and str(got[0].message).endswith("building its C++ glue failed: " + line), got[0].message
+
+
+def test_asking_about_a_running_build_between_polls_makes_nothing(stand_in, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in("import time; time.sleep(60)")
+    monkeypatch.setattr(cxx_autograd, "_next_poll", time.monotonic() + 600)
+    made: list[int] = []
+    monkeypatch.setattr(cxx_autograd, "_builder", lambda: made.append(1))
+    for _ in range(100):  # every call that records a gradient while the glue builds asks
+        assert cxx_autograd.load(wait=False) is False
+    assert made == [] and cxx_autograd.state() == "building"
+
+
+def test_the_build_process_imports_this_processs_opbuilder_and_is_reaped(stand_in, monkeypatch) -> None:
+    seen: dict = {}
+    real = subprocess.Popen
+
+    def popen(args: list[str], **kwargs) -> subprocess.Popen:
+        seen["args"], seen["env"] = args, kwargs["env"]
+        return real([sys.executable, "-c", "pass"], stdout=kwargs["stdout"], stderr=kwargs["stderr"])
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    cxx_autograd._start_build("k" * 64)
+    assert seen["args"][1:] == ["-m", "opbuilder.torchop.cxx_autograd", "k" * 64]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [p for p in sys.path if p and os.pathsep not in p]
+    assert seen["env"]["PYTHONSAFEPATH"] == "1"  # not the working folder first
+    deadline = time.monotonic() + 30
+    while cxx_autograd._build.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cxx_autograd._build.returncode == 0  # waited for by its thread: no zombie until the next gradient
+
+
+def test_the_build_process_refuses_to_build_another_glue() -> None:
+    result = run_module("opbuilder.torchop.cxx_autograd", "0" * 64)
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert result.stdout.startswith(cxx_autograd._ERROR_PREFIX) and "is not the one asked for" in result.stdout
+
+
+_FORK = """
+import os, subprocess, sys, warnings
+from opbuilder.torchop import cxx_autograd as ca
+ca._build = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+ca._state, ca._next_poll = "building", 0.0
+pid = os.fork()
+if pid == 0:  # a fork worker: the build process is not its child
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        ca.load(wait=False, build=False)
+    print("fork", ca.state(), len(got), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("parent", ca.state(), flush=True)
+ca._build.kill()
+"""
+
+
+def test_a_fork_during_the_build_looks_for_the_glue_itself(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = run_python(_FORK, env={"OPB_CACHE_DIR": str(cache)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fork new 0" in result.stdout and "parent building" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+_AT_EXIT = """
+import subprocess, sys
+from opbuilder.torchop import cxx_autograd as ca
+real = subprocess.Popen
+subprocess.Popen = lambda args, **kw: real([sys.executable, "-c", "import time; time.sleep(5)"], stdout=kw["stdout"],
+                                           stderr=kw["stderr"])
+ca._start_build("k")
+print("started", ca.state())
+"""
+
+
+def test_a_build_still_running_at_exit_warns_nothing() -> None:
+    result = subprocess.run([sys.executable, "-W", "default", "-c", _AT_EXIT], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and "started building" in result.stdout, result.stderr[-2000:]
+    assert "ResourceWarning" not in result.stderr, result.stderr[-2000:]
