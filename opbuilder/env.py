@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
+
+from opbuilder.errors import EnvError
 
 #: Variables opbuilder reads, with what they do; the README's table is generated from the same facts.
 VARIABLES: dict[str, str] = {
@@ -69,9 +72,9 @@ def _flag(name: str, default: bool = False) -> bool:
         return True
     if value in _OFF:
         return False
-    if value.lstrip("+-").isdigit() and value.isascii():
+    if re.fullmatch(r"[+-]?[0-9]+", value):
         return int(value) != 0
-    raise ValueError(f"{name} must be 1 (or true, yes, on) or 0 (or false, no, off), got {raw!r}")
+    raise EnvError(f"{name} must be 1 (or true, yes, on) or 0 (or false, no, off), got {raw!r}")
 
 
 def cache_root() -> Path:
@@ -91,9 +94,9 @@ def lock_timeout() -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"OPB_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
+        raise EnvError(f"OPB_LOCK_TIMEOUT must be a number of seconds, got {raw!r}") from None
     if not math.isfinite(value) or value < 0:  # nan would never time out
-        raise ValueError(f"OPB_LOCK_TIMEOUT must be a finite number of seconds >= 0, got {raw!r}")
+        raise EnvError(f"OPB_LOCK_TIMEOUT must be a finite number of seconds >= 0, got {raw!r}")
     return value
 
 
@@ -111,7 +114,7 @@ def max_jobs() -> int | None:
         return None
     # ASCII digits only: str.isdigit() also accepts '²' and other digits int() refuses.
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_JOBS_LIMIT:
-        raise ValueError(f"OPB_MAX_JOBS must be a whole number from 1 to {MAX_JOBS_LIMIT}, got {raw!r}")
+        raise EnvError(f"OPB_MAX_JOBS must be a whole number from 1 to {MAX_JOBS_LIMIT}, got {raw!r}")
     return int(raw)
 
 
@@ -140,7 +143,7 @@ def debug() -> str | None:
         return "device"
     if raw.lower() in ("1", "true", "yes", "on", "host"):
         return "host"
-    raise ValueError(f"OPB_DEBUG must be 1 (debug info), 'device' (also nvcc -G) or 0 (none, even where an op's "
+    raise EnvError(f"OPB_DEBUG must be 1 (debug info), 'device' (also nvcc -G) or 0 (none, even where an op's "
                      f"flags ask for it), got {raw!r}")
 
 
@@ -196,7 +199,7 @@ def compile_inline_below() -> int:
     if raw is None:
         return COMPILE_INLINE_BELOW
     if not (raw.isascii() and raw.isdigit()):
-        raise ValueError(f"OPB_COMPILE_INLINE_BELOW must be a whole number of elements >= 0, got {raw!r}")
+        raise EnvError(f"OPB_COMPILE_INLINE_BELOW must be a whole number of elements >= 0, got {raw!r}")
     return int(raw)
 
 
@@ -210,20 +213,18 @@ def build_all_ds_ops() -> bool:
 
 
 def build_var(name: str) -> bool | None:
-    """The value of one op's ``OPB_BUILD_<OP>``: True, False, or None when unset."""
+    """The value of one op's ``OPB_BUILD_<OP>``: True, False, or None when unset or blank."""
     raw = _get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return None
     return _flag(name)
 
 
-def build_vars() -> dict[str, bool]:
-    """Every ``OPB_BUILD_<OP>`` that is set (``OPB_BUILD_OPS`` aside), so a misspelt op can be named."""
-    return {
-        name: _flag(name)
-        for name in sorted(os.environ)
-        if name.startswith("OPB_BUILD_") and name != "OPB_BUILD_OPS" and _get(name) is not None
-    }
+def build_var_names() -> list[str]:
+    """Every ``OPB_BUILD_<OP>`` that is set, not blank (``OPB_BUILD_OPS`` aside): their names alone, so that a
+    misspelt op (or another tool's ``OPB_BUILD_DIR``) is named as such before any value is read."""
+    return [name for name in sorted(os.environ)
+            if name.startswith("OPB_BUILD_") and name != "OPB_BUILD_OPS" and (_get(name) or "").strip()]
 
 
 def remote_cache_url() -> str | None:
@@ -249,7 +250,7 @@ def remote_cache_max_bytes() -> int:
     if raw is None:
         return 256 << 20
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"OPB_REMOTE_CACHE_MAX_BYTES must be a positive number of bytes, got {raw!r}")
+        raise EnvError(f"OPB_REMOTE_CACHE_MAX_BYTES must be a positive number of bytes, got {raw!r}")
     return int(raw)
 
 
@@ -260,9 +261,9 @@ def _seconds(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+        raise EnvError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {raw!r}")
+        raise EnvError(f"{name} must be > 0 seconds, got {raw!r}")
     return value
 
 
@@ -272,6 +273,17 @@ def remote_cache_timeout() -> float:
 
 def remote_lease_seconds() -> float:
     return _seconds("OPB_REMOTE_LEASE_SECONDS", 30.0)
+
+
+def validate() -> None:
+    """Read every variable that has a form to check, raising EnvError at the first one that is wrong: what the
+    CLI and ``check`` do first, so that a typo is an error before any build, load or verdict."""
+    for read in (lock_timeout, verbose, max_jobs, debug, trust_shared_cache, fallback, cxx_autograd,
+                 compile_inline_below, build_all_ops, build_all_ds_ops, remote_cache_max_bytes, remote_cache_timeout,
+                 remote_lease_seconds):
+        read()
+    for name in build_var_names():
+        build_var(name)
 
 
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:

@@ -7,6 +7,12 @@ class OpBuilderError(RuntimeError):
     """Base class of every opbuilder error."""
 
 
+class EnvError(OpBuilderError, ValueError):
+    """An environment variable holds a value opbuilder cannot use; the message names it, what it takes and what it
+    holds. A configuration error: raised to the caller, never taken as a reason to fall back or recorded as an
+    implementation's verdict."""
+
+
 class BuildError(OpBuilderError):
     """Compiling an op failed. The message carries the compiler's first error lines and the log's path."""
 

@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
+from opbuilder import env
 from opbuilder.dispatch import definitions, implementations, routes, trace
 from opbuilder.dispatch.implementations import Implementation
+from opbuilder.errors import EnvError
 
 STATUSES = ("PASSED", "INCORRECT_NUMERICAL", "INCORRECT_SHAPE", "INCORRECT_DTYPE", "COMPILE_ERROR", "RUNTIME_ERROR",
             "MUTATES_INPUT", "TIMEOUT", "CRASH")
@@ -161,6 +163,7 @@ def check(op: str, device: str | torch.device = "cpu", names: list[str] | None =
 
     Each implementation runs in a child process, each call within ``timeout_s`` seconds (the module's
     docstring says how, and when it cannot)."""
+    env.validate()  # a variable to fix is an error before any verdict (a child's load would record it as one)
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{op}: device must be cpu or cuda, got {device.type!r}")
@@ -212,6 +215,8 @@ def _in_this_process(definition: definitions.Definition, impl: Implementation, c
                      device: torch.device) -> Outcome:
     try:
         impl.load()
+    except EnvError:  # a variable to fix: no verdict on the implementation
+        raise
     except Exception as exc:  # cannot be built or loaded here
         return "COMPILE_ERROR", None, None, _reason(exc)
     return _outcome(definition, impl, case, device)

@@ -31,7 +31,7 @@ from typing import Any
 
 from opbuilder import env
 from opbuilder.dispatch.routes import COMPILED, LISTED, ROUTES
-from opbuilder.errors import FallbackWarning
+from opbuilder.errors import EnvError, FallbackWarning
 from opbuilder.jit.registry import BUILDERS
 
 
@@ -162,6 +162,8 @@ def _resolve(op: str) -> bool:
 
         try:
             lazy.loaded(op)
+        except EnvError:  # a variable to fix, not a reason to fall back
+            raise
         except Exception as exc:
             if not env.fallback():
                 raise
@@ -182,6 +184,8 @@ def _resolve(op: str) -> bool:
         try:
             impl.load()
             return True
+        except EnvError:  # a variable to fix, not a reason to fall back
+            raise
         except Exception as exc:  # a build error, no compiler, no GPU, a bad artifact: try the next
             if not env.fallback():
                 raise

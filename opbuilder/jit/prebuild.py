@@ -40,7 +40,7 @@ def _build_var(op: str) -> str:
 def requested() -> tuple[bool, dict[str, bool]]:
     """(OPB_BUILD_OPS, {op: its builder's BUILD_VAR}) as set in the environment; needs no torch."""
     by_var = {_build_var(name): name for name in registry.names()}
-    unknown = [var for var in env.build_vars() if var not in by_var]
+    unknown = [var for var in env.build_var_names() if var not in by_var]
     if unknown:
         raise PrebuildError(
             f"{', '.join(unknown)} names no built-in op; the variables are "

@@ -14,7 +14,7 @@ background (about 15 s of CPU, once a torch version) while the calls take the Py
 calls switch once it is there; a process whose ops are never differentiated never builds it, and the first
 call of an op without a gradient never waits for it. A child process, not a thread: the build finishes
 and is kept for the next process even when this one ends first; it imports the same opbuilder as this process
-(its ``sys.path``) and checks that it builds the glue this process asks for. While it runs, a call asks whether it
+(its ``sys.path``, made absolute) and checks that it builds the glue this process asks for. While it runs, a call asks whether it
 has finished at most every quarter second (one clock read otherwise). A process forked meanwhile (a ``fork``
 worker) does not own that child: it looks in the cache, and starts a build of its own only when it needs one. Where
 the glue cannot be built or bound (no compiler), gradients keep the Python path, with one warning saying why; with
@@ -142,18 +142,44 @@ def _load(wait: bool, build: bool = True) -> bool:
 
 def _start_build(key: str) -> None:
     """Start the background build of the glue whose key is ``key``: a child process that imports the opbuilder
-    this process imported (this process's ``sys.path``, and not the working folder first), builds into the cache
+    this process imported (``_child_path``), builds into the cache
     and refuses to build a glue of another key. A daemon thread waits for it, so that it never lingers as a
     zombie; at exit, a build still running is left to finish (for the next process) without a warning."""
     global _state, _build, _build_log, _next_poll
     child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p and os.pathsep not in p)
-    child_env["PYTHONSAFEPATH"] = "1"
+    child_env["PYTHONPATH"] = os.pathsep.join(_child_path())
     _build_log = tempfile.TemporaryFile()
-    _build = subprocess.Popen([sys.executable, "-m", "opbuilder.torchop.cxx_autograd", key], stdin=subprocess.DEVNULL,
-                              stdout=_build_log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    _build = subprocess.Popen([sys.executable, "-c", _CHILD, key], stdin=subprocess.DEVNULL, stdout=_build_log,
+                              stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
     threading.Thread(target=_build.wait, name="opbuilder-glue-build", daemon=True).start()
     _state, _next_poll = "building", time.monotonic() + _POLL_SECONDS
+
+
+#: The build process's program: this module's ``_build_main``, without the working folder that ``-c`` puts first on
+#: ``sys.path`` (the parent's own entries come in PYTHONPATH, made absolute).
+_CHILD = ("import sys; sys.path[:] = [p for p in sys.path if p != '']; "
+          "import runpy; runpy.run_module('opbuilder.torchop.cxx_autograd', run_name='__main__')")
+
+
+def _child_path() -> list[str]:
+    """This process's ``sys.path`` for the build process: each entry absolute (``''``, the working folder, as it is
+    now), and the folder this opbuilder was imported from first where an earlier entry holds another one."""
+    entries: list[str] = []
+    for entry in sys.path:
+        if isinstance(entry, str) and os.pathsep not in entry:
+            absolute = os.path.abspath(entry)
+            if absolute not in entries:
+                entries.append(absolute)
+    import opbuilder
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(opbuilder.__file__)))
+    for entry in entries:
+        if entry == home:
+            break
+        if os.path.exists(os.path.join(entry, "opbuilder", "__init__.py")):  # would shadow this one
+            entries.insert(0, home)
+            break
+    return entries
 
 
 def _build_failure() -> str | None:

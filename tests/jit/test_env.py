@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from opbuilder import env
-from helpers import run_module
+from helpers import run_module, run_python
 
 
 @pytest.mark.parametrize("raw,want", [("1", True), ("true", True), ("Yes", True), (" on ", True), ("2", True),
@@ -21,10 +22,10 @@ def test_yes_no_variables(raw: str, want: bool, monkeypatch: pytest.MonkeyPatch)
     assert env.cxx_autograd() is (want or raw.strip() == "")  # unset or empty: on, its default
 
 
-@pytest.mark.parametrize("raw", ["n", "disable", "0x0", "of", "1.0"])
+@pytest.mark.parametrize("raw", ["n", "disable", "0x0", "of", "1.0", "+-1", "--0"])
 def test_a_yes_no_variable_of_another_value_is_refused_by_name(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", raw)
-    with pytest.raises(ValueError, match=rf"OPB_TRUST_SHARED_CACHE must be 1 .* or 0 .*got {raw!r}"):
+    with pytest.raises(ValueError, match=r"OPB_TRUST_SHARED_CACHE must be 1 .* or 0 .*got " + re.escape(repr(raw))):
         env.trust_shared_cache()
 
 
@@ -36,3 +37,47 @@ def test_the_cli_says_which_variable_is_wrong_without_a_traceback(tmp_path: Path
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "OPB_VERBOSE must be 1" in result.stderr and "'loud'" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_blank_build_variable_is_unset_and_another_tools_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opbuilder.jit import prebuild
+
+    for name in [n for n in os.environ if n.startswith("OPB_BUILD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OPB_BUILD_OPS", "1")
+    monkeypatch.setenv("OPB_BUILD_RELU", " ")  # blank: unset, relu is built with the others
+    assert prebuild.requested() == (True, {})
+    monkeypatch.setenv("OPB_BUILD_DIR", "/somewhere")  # not ours: named as no op, not parsed as yes/no
+    with pytest.raises(prebuild.PrebuildError, match="OPB_BUILD_DIR names no built-in op"):
+        prebuild.requested()
+
+
+_CALL = """
+import torch
+from opbuilder import ops
+try:
+    ops.relu(torch.randn(8))
+except ValueError as exc:
+    print("raised", type(exc).__name__, exc)
+else:
+    print("ran")
+"""
+
+
+def test_a_wrong_variable_is_raised_by_the_call_not_taken_for_a_reason_to_fall_back(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = run_python(_CALL, env={"OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})  # read by the build
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("raised EnvError OPB_VERBOSE must be 1"), result.stdout + result.stderr[-2000:]
+    assert "FallbackWarning" not in result.stderr, result.stderr[-2000:]
+
+
+def test_check_with_a_wrong_variable_records_no_verdict(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = run_module("opbuilder", "check", "relu",
+                        env={**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})
+    assert result.returncode == 1 and "OPB_VERBOSE must be 1" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not list(cache.rglob("*.check.json")), list(cache.rglob("*"))

@@ -89,13 +89,48 @@ def test_the_build_process_imports_this_processs_opbuilder_and_is_reaped(stand_i
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     cxx_autograd._start_build("k" * 64)
-    assert seen["args"][1:] == ["-m", "opbuilder.torchop.cxx_autograd", "k" * 64]
-    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [p for p in sys.path if p and os.pathsep not in p]
-    assert seen["env"]["PYTHONSAFEPATH"] == "1"  # not the working folder first
+    assert seen["args"][1:] == ["-c", cxx_autograd._CHILD, "k" * 64]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == cxx_autograd._child_path()
     deadline = time.monotonic() + 30
     while cxx_autograd._build.returncode is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cxx_autograd._build.returncode == 0  # waited for by its thread: no zombie until the next gradient
+
+
+def test_the_build_process_path_is_this_processs_made_absolute(tmp_path: Path, monkeypatch) -> None:
+    import opbuilder
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(opbuilder.__file__)))
+    monkeypatch.chdir(tmp_path)
+    # '' and relative entries (python -c, a REPL, Jupyter in a checkout): the working folder as it is now
+    monkeypatch.setattr(sys, "path", ["", "rel", *sys.path])
+    assert cxx_autograd._child_path()[:2] == [str(tmp_path), str(tmp_path / "rel")]
+    # an entry holding another opbuilder before the one imported here: this one's folder goes first
+    other = tmp_path / "other"
+    (other / "opbuilder").mkdir(parents=True)
+    (other / "opbuilder" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", ["", str(other), *sys.path])
+    assert cxx_autograd._child_path()[:3] == [home, str(tmp_path), str(other)]
+
+
+_CHILD_RUN = """
+import subprocess, sys
+from opbuilder.torchop import cxx_autograd as ca
+code = ca._CHILD.replace("runpy.run_module('opbuilder.torchop.cxx_autograd', run_name='__main__')",
+                         "import opbuilder; print(repr(sys.path[0]), opbuilder.__file__)")
+print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=sys.argv[1],
+                     env={"PYTHONPATH": ":".join(ca._child_path())}).stdout)
+"""
+
+
+def test_the_build_process_does_not_put_its_working_folder_first(tmp_path: Path) -> None:
+    (tmp_path / "opbuilder").mkdir()
+    (tmp_path / "opbuilder" / "__init__.py").write_text("")  # another opbuilder where the child starts
+    result = subprocess.run([sys.executable, "-c", _CHILD_RUN, str(tmp_path)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "''" not in result.stdout and str(tmp_path) not in result.stdout, result.stdout
+    assert result.stdout.strip().endswith(os.path.join("opbuilder", "__init__.py")), result.stdout
 
 
 def test_the_build_process_refuses_to_build_another_glue() -> None:
