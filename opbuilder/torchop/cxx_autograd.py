@@ -142,9 +142,9 @@ def _load(wait: bool, build: bool = True) -> bool:
 
 def _start_build(key: str) -> None:
     """Start the background build of the glue whose key is ``key``: a child process that imports the opbuilder
-    this process imported (``_child_path``), builds into the cache
-    and refuses to build a glue of another key. A daemon thread waits for it, so that it never lingers as a
-    zombie; at exit, a build still running is left to finish (for the next process) without a warning."""
+    this process imported (``_child_path``), builds into the cache and refuses to build a glue of another key. A
+    daemon thread waits for it, so that it never lingers as a zombie; at exit, a build still running is left to
+    finish (for the next process) without a warning."""
     global _state, _build, _build_log, _next_poll
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(_child_path())
