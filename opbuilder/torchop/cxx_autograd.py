@@ -208,21 +208,26 @@ def _build_failure() -> str | None:
 def _after_fork_in_child() -> None:
     # A fork (a worker process) does not own the parent's build process, nor its waiting thread, nor a lock another
     # thread held: a new lock, and a process that finds the glue in the cache or builds it when it needs it.
+    # Nothing here takes a lock another thread may have held at the fork (no warnings filter, no I/O but a close).
     global _lock, _state, _build, _build_log
     _lock = threading.RLock()
     if _state == "building":
-        warnings.filterwarnings("ignore", message=f"subprocess {_build.pid} is still running", category=ResourceWarning)
+        _foreign.append(_build)
         if _build_log is not None:
             _build_log.close()  # this process's copy of it
         _state, _build, _build_log = "new", None, None
 
 
+#: Build processes a fork inherited from its parent: never its own to wait for, kept until exit.
+_foreign: list[subprocess.Popen] = []
+
+
 def _at_exit() -> None:
-    # A background build still running at exit finishes on its own (its result is for the next process):
-    # no "still running" ResourceWarning for it when this process's objects are freed.
-    if _build is not None and _build.poll() is None:
-        warnings.filterwarnings("ignore", message=f"subprocess {_build.pid} is still running",
-                                category=ResourceWarning)
+    # A background build still running at exit finishes on its own (its result is for the next process), and a
+    # parent's is not this process's to wait for: no "still running" ResourceWarning for them at exit.
+    running = [_build] if _build is not None and _build.poll() is None else []
+    for proc in running + _foreign:
+        warnings.filterwarnings("ignore", message=f"subprocess {proc.pid} is still running", category=ResourceWarning)
     if _build_log is not None:
         _build_log.close()
 
