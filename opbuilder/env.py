@@ -144,7 +144,7 @@ def debug() -> str | None:
     if raw.lower() in ("1", "true", "yes", "on", "host"):
         return "host"
     raise EnvError(f"OPB_DEBUG must be 1 (debug info), 'device' (also nvcc -G) or 0 (none, even where an op's "
-                     f"flags ask for it), got {raw!r}")
+                   f"flags ask for it), got {raw!r}")
 
 
 def nvcc_host_compiler() -> str | None:

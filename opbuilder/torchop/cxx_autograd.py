@@ -14,11 +14,11 @@ background (about 15 s of CPU, once a torch version) while the calls take the Py
 calls switch once it is there; a process whose ops are never differentiated never builds it, and the first
 call of an op without a gradient never waits for it. A child process, not a thread: the build finishes
 and is kept for the next process even when this one ends first; it imports the same opbuilder as this process
-(its ``sys.path``, made absolute) and checks that it builds the glue this process asks for. While it runs, a call asks whether it
-has finished at most every quarter second (one clock read otherwise). A process forked meanwhile (a ``fork``
-worker) does not own that child: it looks in the cache, and starts a build of its own only when it needs one. Where
-the glue cannot be built or bound (no compiler), gradients keep the Python path, with one warning saying why; with
-``OPB_CXX_AUTOGRAD=0`` they keep it silently.
+(its ``sys.path``, made absolute) and checks that it builds the glue this process asks for. While it runs, a
+call asks whether it has finished at most every quarter second (one clock read otherwise). A process forked
+meanwhile (a ``fork`` worker) does not own that child: it looks in the cache, and starts a build of its own
+only when it needs one. Where the glue cannot be built or bound (no compiler), gradients keep the Python path,
+with one warning saying why; with ``OPB_CXX_AUTOGRAD=0`` they keep it silently.
 
 The registered ops (``ns::relu``, ``ns::forward``, ...: what a trace, a ``torch.compile`` graph, DTensor and
 ``torch.ops`` calls reach) get the same C++ Nodes as their Autograd kernels (``registered``) when their
