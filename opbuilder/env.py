@@ -73,7 +73,7 @@ def _flag(name: str, default: bool = False) -> bool:
     if value in _OFF:
         return False
     if re.fullmatch(r"[+-]?[0-9]+", value):
-        return int(value) != 0
+        return value.lstrip("+-").strip("0") != ""  # a whole number: 0 is no (no int(): any length)
     raise EnvError(f"{name} must be 1 (or true, yes, on) or 0 (or false, no, off), got {raw!r}")
 
 
@@ -249,7 +249,7 @@ def remote_cache_max_bytes() -> int:
     raw = _get("OPB_REMOTE_CACHE_MAX_BYTES")
     if raw is None:
         return 256 << 20
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise EnvError(f"OPB_REMOTE_CACHE_MAX_BYTES must be a positive number of bytes, got {raw!r}")
     return int(raw)
 
@@ -277,13 +277,13 @@ def remote_lease_seconds() -> float:
 
 def validate() -> None:
     """Read every variable that has a form to check, raising EnvError at the first one that is wrong: what the
-    CLI and ``check`` do first, so that a typo is an error before any build, load or verdict."""
+    commands that build, load or judge do first, so that a typo is an error before any build or verdict. The
+    ``OPB_BUILD_<OP>`` variables are left to the prebuild, which names those of no op (another tool's
+    ``OPB_BUILD_DIR``) before reading any value."""
     for read in (lock_timeout, verbose, max_jobs, debug, trust_shared_cache, fallback, cxx_autograd,
                  compile_inline_below, build_all_ops, build_all_ds_ops, remote_cache_max_bytes, remote_cache_timeout,
                  remote_lease_seconds):
         read()
-    for name in build_var_names():
-        build_var(name)
 
 
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:

@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        from opbuilder import env
+        if args.command in ("build", "check", "tune", "compile-check"):
+            from opbuilder import env
 
-        env.validate()  # a variable to fix: said first, before a build or a verdict
+            env.validate()  # a variable to fix: said first, before a build or a verdict
         return handlers[args.command](args)
     except KeyboardInterrupt:
         _err(f"opbuilder {args.command}: interrupted; running compilers were stopped and nothing half-built was published")

@@ -163,23 +163,31 @@ _CHILD = ("import sys; sys.path[:] = [p for p in sys.path if p != '']; "
 
 def _child_path() -> list[str]:
     """This process's ``sys.path`` for the build process: each entry absolute (``''``, the working folder, as it is
-    now), and the folder this opbuilder was imported from first where an earlier entry holds another one."""
+    now), and the folder this opbuilder was imported from first where an earlier entry holds another one, last
+    where no entry is that folder."""
     entries: list[str] = []
     for entry in sys.path:
-        if isinstance(entry, str) and os.pathsep not in entry:
+        if not isinstance(entry, str):
+            continue
+        try:
             absolute = os.path.abspath(entry)
-            if absolute not in entries:
-                entries.append(absolute)
+        except OSError:  # '' where the working folder was removed
+            continue
+        if os.pathsep not in absolute and absolute not in entries:
+            entries.append(absolute)
     import opbuilder
 
     home = os.path.dirname(os.path.dirname(os.path.abspath(opbuilder.__file__)))
+    if os.pathsep in home:
+        return entries
     for entry in entries:
         if entry == home:
-            break
+            return entries
         if os.path.exists(os.path.join(entry, "opbuilder", "__init__.py")):  # would shadow this one
-            entries.insert(0, home)
-            break
-    return entries
+            return [home, *entries]
+    # Not on the path (an install's import hook, or '' since the working folder changed): after the others, where
+    # it still comes before any import hook.
+    return [*entries, home]
 
 
 def _build_failure() -> str | None:
@@ -211,11 +219,13 @@ def _after_fork_in_child() -> None:
     # Nothing here takes a lock another thread may have held at the fork (no warnings filter, no I/O but a close).
     global _lock, _state, _build, _build_log
     _lock = threading.RLock()
-    if _state == "building":
+    if _build is not None:  # the parent's, whatever the state says (``disabled``, a fork inside _start_build)
         _foreign.append(_build)
         if _build_log is not None:
             _build_log.close()  # this process's copy of it
-        _state, _build, _build_log = "new", None, None
+        _build, _build_log = None, None
+        if _state == "building":
+            _state = "new"
 
 
 #: Build processes a fork inherited from its parent: never its own to wait for, kept until exit.
@@ -296,7 +306,8 @@ def disabled() -> Iterator[None]:
     try:
         yield
     finally:
-        _state = before
+        # A fork made inside no longer has the build it was waiting for: it looks again.
+        _state = "new" if before == "building" and _build is None else before
         _reset_eager_ops()
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from opbuilder import env
+from opbuilder.errors import EnvError
 from helpers import run_module, run_python
 
 
@@ -27,6 +28,33 @@ def test_a_yes_no_variable_of_another_value_is_refused_by_name(raw: str, monkeyp
     monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", raw)
     with pytest.raises(ValueError, match=r"OPB_TRUST_SHARED_CACHE must be 1 .* or 0 .*got " + re.escape(repr(raw))):
         env.trust_shared_cache()
+
+
+def test_a_whole_number_of_any_length_and_digits_of_another_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", "0" * 5000)
+    assert env.trust_shared_cache() is False
+    monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", "0" * 4999 + "1")
+    assert env.trust_shared_cache() is True
+    monkeypatch.setenv("OPB_REMOTE_CACHE_MAX_BYTES", "\u00b2")  # '²': isdigit(), not a number int() takes
+    with pytest.raises(EnvError, match="OPB_REMOTE_CACHE_MAX_BYTES must be a positive number of bytes"):
+        env.remote_cache_max_bytes()
+
+
+def test_commands_that_build_nothing_run_whatever_the_variables(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    odd = {**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud", "OPB_BUILD_DIR": "/somewhere"}
+    result = run_module("opbuilder", "clean", env=odd)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_bench_says_which_variable_is_wrong_before_timing(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = run_module("opbuilder", "bench", "relu", "--device", "cpu", "--shapes", "16", "--no-host",
+                        env={**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "OPB_VERBOSE must be 1" in result.stderr and "ours" not in result.stdout, result.stdout[-2000:]
 
 
 def test_the_cli_says_which_variable_is_wrong_without_a_traceback(tmp_path: Path) -> None:
@@ -67,9 +95,11 @@ else:
 def test_a_wrong_variable_is_raised_by_the_call_not_taken_for_a_reason_to_fall_back(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
-    result = run_python(_CALL, env={"OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})  # read by the build
+    # read by a build and by a load of a prebuilt library alike
+    result = run_python(_CALL, env={"OPB_CACHE_DIR": str(cache), "OPB_TRUST_SHARED_CACHE": "loud"})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("raised EnvError OPB_VERBOSE must be 1"), result.stdout + result.stderr[-2000:]
+    assert result.stdout.startswith("raised EnvError OPB_TRUST_SHARED_CACHE must be 1"), \
+        result.stdout + result.stderr[-2000:]
     assert "FallbackWarning" not in result.stderr, result.stderr[-2000:]
 
 

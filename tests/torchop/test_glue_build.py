@@ -26,9 +26,11 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., subproce
     for name in ("_state", "_build", "_build_log", "_next_poll", "_namespace"):
         monkeypatch.setattr(cxx_autograd, name, getattr(cxx_autograd, name))
     started: list[subprocess.Popen] = []
+    logs: list = []
 
     def start(code: str, log: str = "") -> subprocess.Popen:
         out = tempfile.TemporaryFile()
+        logs.append(out)
         out.write(log.encode())
         out.flush()
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
@@ -44,6 +46,8 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., subproce
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    for out in logs:
+        out.close()
 
 
 def test_a_killed_build_is_named_as_killed(stand_in) -> None:
@@ -80,7 +84,7 @@ def test_asking_about_a_running_build_between_polls_makes_nothing(stand_in, monk
 
 
 def test_the_build_process_imports_this_processs_opbuilder_and_is_reaped(stand_in, monkeypatch) -> None:
-    seen: dict = {}
+    seen: dict = {}  # (stand_in: this process's glue state saved, restored after)
     real = subprocess.Popen
 
     def popen(args: list[str], **kwargs) -> subprocess.Popen:
@@ -95,6 +99,7 @@ def test_the_build_process_imports_this_processs_opbuilder_and_is_reaped(stand_i
     while cxx_autograd._build.returncode is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cxx_autograd._build.returncode == 0  # waited for by its thread: no zombie until the next gradient
+    cxx_autograd._build_log.close()
 
 
 def test_the_build_process_path_is_this_processs_made_absolute(tmp_path: Path, monkeypatch) -> None:
@@ -111,6 +116,55 @@ def test_the_build_process_path_is_this_processs_made_absolute(tmp_path: Path, m
     (other / "opbuilder" / "__init__.py").write_text("")
     monkeypatch.setattr(sys, "path", ["", str(other), *sys.path])
     assert cxx_autograd._child_path()[:3] == [home, str(tmp_path), str(other)]
+
+
+def test_the_build_process_path_without_this_opbuilders_folder_or_working_folder(tmp_path: Path, monkeypatch) -> None:
+    import opbuilder
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(opbuilder.__file__)))
+    # the folder this opbuilder came from is on no entry (an import hook, or '' after a chdir): it goes last, where
+    # it still comes before any import hook
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "a")])
+    assert cxx_autograd._child_path() == [str(tmp_path / "a"), home]
+    # the working folder removed: '' is left out (abspath('') raises), the rest kept
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    monkeypatch.setattr(sys, "path", ["", "rel", str(tmp_path / "a")])
+    assert cxx_autograd._child_path() == [str(tmp_path / "a"), home]
+    # an entry whose absolute form holds the path separator cannot travel in PYTHONPATH
+    odd = tmp_path / f"x{os.pathsep}y"
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path / "a")])
+    assert cxx_autograd._child_path() == [str(tmp_path / "a"), home]
+
+
+_DISABLED_FORK = """
+import os, subprocess, sys
+from opbuilder.torchop import cxx_autograd as ca
+ca._build = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+ca._state, ca._next_poll = "building", 0.0
+with ca.disabled():  # a test or a benchmark comparing the two paths forks inside
+    pid = os.fork()
+if pid == 0:
+    ca.load(wait=False, build=False)
+    print("fork", ca.state(), ca._build is None, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("parent", ca.state(), flush=True)
+ca._build.kill()
+"""
+
+
+def test_a_fork_inside_disabled_does_not_wait_for_its_parents_build(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    result = subprocess.run([sys.executable, "-c", _DISABLED_FORK], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "OPB_CACHE_DIR": str(cache)}, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fork new True" in result.stdout and "parent building" in result.stdout, result.stdout
 
 
 _CHILD_RUN = """

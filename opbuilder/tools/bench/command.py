@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
 
     try:
+        from opbuilder import env
+
+        env.validate()  # a variable to fix (EnvError, a ValueError): said before anything is timed
         unknown = [op for op in args.ops if op not in SPECS]
         if unknown:
             raise ValueError(f"unknown op {', '.join(map(repr, unknown))}; known ops: {', '.join(SPECS)}")
