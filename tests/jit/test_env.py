@@ -40,28 +40,21 @@ def test_a_whole_number_of_any_length_and_digits_of_another_script(monkeypatch: 
         env.remote_cache_max_bytes()
 
 
-def test_commands_that_build_nothing_run_whatever_the_variables(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    odd = {**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud", "OPB_BUILD_DIR": "/somewhere"}
+def test_commands_that_build_nothing_run_whatever_the_variables(fresh_cache: Path) -> None:
+    odd = {**os.environ, "OPB_VERBOSE": "loud", "OPB_BUILD_DIR": "/somewhere"}
     result = run_module("opbuilder", "clean", env=odd)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_bench_says_which_variable_is_wrong_before_timing(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
+def test_bench_says_which_variable_is_wrong_before_timing(fresh_cache: Path) -> None:
     result = run_module("opbuilder", "bench", "relu", "--device", "cpu", "--shapes", "16", "--no-host",
-                        env={**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})
+                        env={**os.environ, "OPB_VERBOSE": "loud"})
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "OPB_VERBOSE must be 1" in result.stderr and "ours" not in result.stdout, result.stdout[-2000:]
 
 
-def test_the_cli_says_which_variable_is_wrong_without_a_traceback(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    result = run_module("opbuilder", "build", "relu",
-                        env={**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})
+def test_the_cli_says_which_variable_is_wrong_without_a_traceback(fresh_cache: Path) -> None:
+    result = run_module("opbuilder", "build", "relu", env={**os.environ, "OPB_VERBOSE": "loud"})
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "OPB_VERBOSE must be 1" in result.stderr and "'loud'" in result.stderr, result.stderr[-2000:]
@@ -92,22 +85,17 @@ else:
 """
 
 
-def test_a_wrong_variable_is_raised_by_the_call_not_taken_for_a_reason_to_fall_back(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
+def test_a_wrong_variable_is_raised_by_the_call_not_taken_for_a_reason_to_fall_back(fresh_cache: Path) -> None:
     # read by a build and by a load of a prebuilt library alike
-    result = run_python(_CALL, env={"OPB_CACHE_DIR": str(cache), "OPB_TRUST_SHARED_CACHE": "loud"})
+    result = run_python(_CALL, env={"OPB_TRUST_SHARED_CACHE": "loud"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("raised EnvError OPB_TRUST_SHARED_CACHE must be 1"), \
         result.stdout + result.stderr[-2000:]
     assert "FallbackWarning" not in result.stderr, result.stderr[-2000:]
 
 
-def test_check_with_a_wrong_variable_records_no_verdict(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    result = run_module("opbuilder", "check", "relu",
-                        env={**os.environ, "OPB_CACHE_DIR": str(cache), "OPB_VERBOSE": "loud"})
+def test_check_with_a_wrong_variable_records_no_verdict(fresh_cache: Path) -> None:
+    result = run_module("opbuilder", "check", "relu", env={**os.environ, "OPB_VERBOSE": "loud"})
     assert result.returncode == 1 and "OPB_VERBOSE must be 1" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert not list(cache.rglob("*.check.json")), list(cache.rglob("*"))
+    assert not list(fresh_cache.rglob("*.check.json")), list(fresh_cache.rglob("*"))

@@ -14,9 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_module, run_python
+from helpers import ROOT, run_module
 from opbuilder.errors import BuildError, FallbackWarning
 from opbuilder.torchop import cxx_autograd
+
+
+def _interpreter(code: str, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter of its own (not a zygote's fork: these run their exit and their forks as a
+    user's process does), this environment, from the checkout."""
+    return subprocess.run([sys.executable, *flags, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
 
 
 @pytest.fixture
@@ -158,30 +165,26 @@ ca._build.kill()
 """
 
 
-def test_a_fork_inside_disabled_does_not_wait_for_its_parents_build(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    result = subprocess.run([sys.executable, "-c", _DISABLED_FORK], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "OPB_CACHE_DIR": str(cache)}, timeout=120)
+def test_a_fork_inside_disabled_does_not_wait_for_its_parents_build(fresh_cache: Path) -> None:
+    result = _interpreter(_DISABLED_FORK)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fork new True" in result.stdout and "parent building" in result.stdout, result.stdout
 
 
 _CHILD_RUN = """
-import subprocess, sys
+import os, subprocess, sys
 from opbuilder.torchop import cxx_autograd as ca
 code = ca._CHILD.replace("runpy.run_module('opbuilder.torchop.cxx_autograd', run_name='__main__')",
                          "import opbuilder; print(repr(sys.path[0]), opbuilder.__file__)")
 print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=sys.argv[1],
-                     env={"PYTHONPATH": ":".join(ca._child_path())}).stdout)
+                     env={"PYTHONPATH": os.pathsep.join(ca._child_path())}).stdout)
 """
 
 
 def test_the_build_process_does_not_put_its_working_folder_first(tmp_path: Path) -> None:
     (tmp_path / "opbuilder").mkdir()
     (tmp_path / "opbuilder" / "__init__.py").write_text("")  # another opbuilder where the child starts
-    result = subprocess.run([sys.executable, "-c", _CHILD_RUN, str(tmp_path)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = _interpreter(_CHILD_RUN, str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "''" not in result.stdout and str(tmp_path) not in result.stdout, result.stdout
     assert result.stdout.strip().endswith(os.path.join("opbuilder", "__init__.py")), result.stdout
@@ -211,11 +214,8 @@ ca._build.kill()
 """
 
 
-def test_a_fork_during_the_build_looks_for_the_glue_itself(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    result = subprocess.run([sys.executable, "-W", "default", "-c", _FORK], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "OPB_CACHE_DIR": str(cache)}, timeout=120)
+def test_a_fork_during_the_build_looks_for_the_glue_itself(fresh_cache: Path) -> None:
+    result = _interpreter(_FORK, flags=("-W", "default"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fork new 0" in result.stdout and "parent building" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "ResourceWarning" not in result.stderr, result.stderr[-2000:]
@@ -233,7 +233,6 @@ print("started", ca.state())
 
 
 def test_a_build_still_running_at_exit_warns_nothing() -> None:
-    result = subprocess.run([sys.executable, "-W", "default", "-c", _AT_EXIT], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = _interpreter(_AT_EXIT, flags=("-W", "default"))
     assert result.returncode == 0 and "started building" in result.stdout, result.stderr[-2000:]
     assert "ResourceWarning" not in result.stderr, result.stderr[-2000:]
