@@ -12,6 +12,7 @@
 #include <array>
 #include <climits>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -102,7 +103,13 @@ uint32_t alignment_of(const void* p) {
   return align;
 }
 
-// ---- algorithm choice, cached: the heuristic costs more host time than a small GEMM -------------
+// ---- what a call needs besides its pointers, cached per problem ----------------------------------
+//
+// A problem's key is every value its descriptor, layouts and algorithm depend on (shapes, strides,
+// types, the epilogue, the operands' alignments, the workspace). The algorithm (the heuristic costs more
+// host time than a small GEMM) is kept once per process; the descriptor and the four layouts once per
+// thread, since the bias pointer, set on the descriptor before each call, is the only attribute a call
+// changes. Both caches are bounded: when full they start again.
 
 using Key = std::array<int64_t, 22>;
 struct KeyHash {
@@ -130,6 +137,83 @@ struct Plan {
   bool c_separate;
 };
 
+// A problem's descriptor and layouts (C's only where C is a tensor of its own).
+struct Prepared {
+  MatmulDesc desc;
+  Layout a, b, c, d;
+  cublasLtMatrixLayout_t c_layout() const { return c.d ? c.d : d.d; }
+};
+
+constexpr size_t kMaxPrepared = 256;
+
+cublasStatus_t prepare(Prepared& s, const Problem& p, const Plan& plan, cublasComputeType_t compute,
+                       cudaDataType_t scale_type) {
+  const cudaDataType_t type = cuda_type(p.dtype);
+  const int32_t batch = static_cast<int32_t>(p.batch);
+  OPB_CUBLAS_TRY(cublasLtMatmulDescCreate(&s.desc.d, compute, scale_type));
+  OPB_CUBLAS_TRY(set_desc(s.desc.d, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(plan.op_a)));
+  OPB_CUBLAS_TRY(set_desc(s.desc.d, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(plan.op_b)));
+  // Bias type defaults to D's type; BIAS_BATCH_STRIDE defaults to 0: one vector for every batch entry.
+  OPB_CUBLAS_TRY(set_desc(s.desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, plan.epilogue));
+  OPB_CUBLAS_TRY(make_layout(s.a, type, plan.a_rows, plan.a_cols, p.rhs.ld, batch, p.rhs.batch_stride));
+  OPB_CUBLAS_TRY(make_layout(s.b, type, plan.b_rows, plan.b_cols, p.lhs.ld, batch, p.lhs.batch_stride));
+  OPB_CUBLAS_TRY(make_layout(s.d, type, p.n, p.m, p.n, batch, p.m * p.n));
+  if (plan.c_separate) OPB_CUBLAS_TRY(make_layout(s.c, type, p.n, p.m, p.n, batch, p.c_batch_stride));
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// This thread's descriptor and layouts for `key`, made on first use; nullptr with *st set if cuBLASLt
+// refused one (nothing is kept then).
+Prepared* prepared_for(const Key& key, const Problem& p, const Plan& plan, cublasComputeType_t compute,
+                       cudaDataType_t scale_type, cublasStatus_t* st) {
+  thread_local std::unordered_map<Key, std::unique_ptr<Prepared>, KeyHash> prepared;
+  auto it = prepared.find(key);
+  if (it != prepared.end()) return it->second.get();
+  auto made = std::make_unique<Prepared>();
+  *st = prepare(*made, p, plan, compute, scale_type);
+  if (*st != CUBLAS_STATUS_SUCCESS) return nullptr;
+  if (prepared.size() >= kMaxPrepared) prepared.clear();
+  return prepared.emplace(key, std::move(made)).first->second.get();
+}
+
+cublasStatus_t choose(Choice* choice, const Key& key, cublasLtHandle_t handle, const Prepared& s, const Problem& p,
+                      size_t workspace_bytes, const std::array<uint32_t, 4>& align) {
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    auto it = algo_cache.find(key);
+    if (it != algo_cache.end()) {
+      *choice = it->second;
+      return CUBLAS_STATUS_SUCCESS;
+    }
+  }
+  Preference pref;
+  OPB_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref.d));
+  OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(workspace_bytes)));
+  // The heuristic cannot see A-D's addresses; without these it may pick a kernel that needs more
+  // alignment than a sliced or offset tensor has.
+  OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align[0]));
+  OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align[1]));
+  OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align[2]));
+  OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align[3]));
+  if (p.dtype == DType::Float16 || p.dtype == DType::BFloat16) {
+    // Split-K partial sums stay in fp32: never reduced in the 16-bit output type.
+    const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_MASK & ~CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+    OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, mask));
+  }
+  cublasLtMatmulHeuristicResult_t result;
+  std::memset(&result, 0, sizeof(result));
+  int returned = 0;
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, s.desc.d, s.a.d, s.b.d, s.c_layout(), s.d.d, pref.d, 1,
+                                                     &result, &returned);
+  if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) return st;
+  choice->found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+  if (choice->found) choice->algo = result.algo;
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  if (algo_cache.size() >= kMaxCached) algo_cache.clear();
+  algo_cache.emplace(key, *choice);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t run(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream, bool* found) {
   *found = true;
   cublasLtHandle_t handle = nullptr;
@@ -137,7 +221,6 @@ cublasStatus_t run(const Problem& p, void* workspace, size_t workspace_bytes, cu
   int device = 0;
   cudaGetDevice(&device);
 
-  const cudaDataType_t type = cuda_type(p.dtype);
   const bool fp64 = p.dtype == DType::Float64;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   if (fp64) compute = CUBLAS_COMPUTE_64F;
@@ -156,72 +239,23 @@ cublasStatus_t run(const Problem& p, void* workspace, size_t workspace_bytes, cu
   plan.epilogue = p.bias_vector ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
   plan.c_in_place = p.c != nullptr && p.c == p.out;
   plan.c_separate = p.c != nullptr && p.c != p.out;
-
-  const int32_t batch = static_cast<int32_t>(p.batch);
-  const int64_t out_batch_stride = p.m * p.n;
-
-  MatmulDesc desc;
-  OPB_CUBLAS_TRY(cublasLtMatmulDescCreate(&desc.d, compute, scale_type));
-  OPB_CUBLAS_TRY(set_desc(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(plan.op_a)));
-  OPB_CUBLAS_TRY(set_desc(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(plan.op_b)));
-  OPB_CUBLAS_TRY(set_desc(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, plan.epilogue));
-  if (p.bias_vector) {
-    // Bias type defaults to D's type; BIAS_BATCH_STRIDE defaults to 0: one vector for every batch entry.
-    OPB_CUBLAS_TRY(set_desc(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias_vector));
-  }
-
-  Layout a, b, c, d;
-  OPB_CUBLAS_TRY(make_layout(a, type, plan.a_rows, plan.a_cols, p.rhs.ld, batch, p.rhs.batch_stride));
-  OPB_CUBLAS_TRY(make_layout(b, type, plan.b_rows, plan.b_cols, p.lhs.ld, batch, p.lhs.batch_stride));
-  OPB_CUBLAS_TRY(make_layout(d, type, p.n, p.m, p.n, batch, out_batch_stride));
-  if (plan.c_separate) OPB_CUBLAS_TRY(make_layout(c, type, p.n, p.m, p.n, batch, p.c_batch_stride));
-  cublasLtMatrixLayout_t c_layout = plan.c_separate ? c.d : d.d;
   const void* c_ptr = p.c ? p.c : p.out;
 
-  const uint32_t align_a = alignment_of(p.rhs.data), align_b = alignment_of(p.lhs.data);
-  const uint32_t align_c = alignment_of(c_ptr), align_d = alignment_of(p.out);
+  const std::array<uint32_t, 4> align = {alignment_of(p.rhs.data), alignment_of(p.lhs.data), alignment_of(c_ptr),
+                                         alignment_of(p.out)};
   const Key key = {device, static_cast<int64_t>(p.dtype), compute, plan.epilogue, p.batch, p.m, p.n, p.k,
                    plan.op_a, plan.op_b, p.rhs.ld, p.lhs.ld, p.rhs.batch_stride, p.lhs.batch_stride,
-                   plan.c_in_place, plan.c_separate ? p.c_batch_stride : -1, align_a, align_b, align_c, align_d,
+                   plan.c_in_place, plan.c_separate ? p.c_batch_stride : -1, align[0], align[1], align[2], align[3],
                    p.bias_vector ? alignment_of(p.bias_vector) : 0, static_cast<int64_t>(workspace_bytes)};
 
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  Prepared* s = prepared_for(key, p, plan, compute, scale_type, &st);
+  if (s == nullptr) return st;
+  // The one attribute a call changes; the descriptor is this thread's alone.
+  if (p.bias_vector) OPB_CUBLAS_TRY(set_desc(s->desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, p.bias_vector));
+
   Choice choice;
-  bool cached = false;
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    auto it = algo_cache.find(key);
-    if (it != algo_cache.end()) {
-      choice = it->second;
-      cached = true;
-    }
-  }
-  if (!cached) {
-    Preference pref;
-    OPB_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref.d));
-    OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(workspace_bytes)));
-    // The heuristic cannot see A-D's addresses; without these it may pick a kernel that needs more
-    // alignment than a sliced or offset tensor has.
-    OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a));
-    OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b));
-    OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c));
-    OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d));
-    if (p.dtype == DType::Float16 || p.dtype == DType::BFloat16) {
-      // Split-K partial sums stay in fp32: never reduced in the 16-bit output type.
-      const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_MASK & ~CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
-      OPB_CUBLAS_TRY(set_pref(pref.d, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, mask));
-    }
-    cublasLtMatmulHeuristicResult_t result;
-    std::memset(&result, 0, sizeof(result));
-    int returned = 0;
-    cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(handle, desc.d, a.d, b.d, c_layout, d.d, pref.d, 1, &result, &returned);
-    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) return st;
-    choice.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-    if (choice.found) choice.algo = result.algo;
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    if (algo_cache.size() >= kMaxCached) algo_cache.clear();
-    algo_cache.emplace(key, choice);
-  }
+  OPB_CUBLAS_TRY(choose(&choice, key, handle, *s, p, workspace_bytes, align));
   if (!choice.found) {
     *found = false;
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -231,8 +265,8 @@ cublasStatus_t run(const Problem& p, void* workspace, size_t workspace_bytes, cu
   const double alpha64 = 1.0, beta64 = p.c ? 1.0 : 0.0;
   const void* alpha = fp64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
   const void* beta = fp64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
-  return cublasLtMatmul(handle, desc.d, alpha, p.rhs.data, a.d, p.lhs.data, b.d, beta, c_ptr, c_layout, p.out, d.d,
-                        &choice.algo, workspace, workspace_bytes, stream);
+  return cublasLtMatmul(handle, s->desc.d, alpha, p.rhs.data, s->a.d, p.lhs.data, s->b.d, beta, c_ptr, s->c_layout(),
+                        p.out, s->d.d, &choice.algo, workspace, workspace_bytes, stream);
 }
 
 bool fits_int32(const Problem& p) {

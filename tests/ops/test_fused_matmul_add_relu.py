@@ -574,6 +574,53 @@ def test_cuda_large_linear_shape(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_same_problem_with_new_operands_each_call(dtype):
+    # The launcher keeps a problem's descriptor and layouts between calls; only the operands' pointers (the
+    # bias's among them, set on the kept descriptor) change. Calls of one shape with new tensors each time,
+    # with and without a bias between them, must each use their own.
+    torch.manual_seed(17)
+    for bias_shape in [(96,), None, (96,), (64, 96), (96,)]:
+        lhs, rhs = make((64, 256), "cuda", dtype), make((256, 96), "cuda", dtype)
+        bias = None if bias_shape is None else make(bias_shape, "cuda", dtype) * 4
+        check_forward(fused_matmul_add_relu(lhs, rhs, bias), lhs, rhs, bias)
+
+
+@requires_cuda
+def test_cuda_threads_calling_one_problem_at_once():
+    # Each thread's calls must see their own bias while other threads run the same problem: the kept
+    # descriptor (which holds the bias pointer) is per thread.
+    import threading
+
+    torch.manual_seed(18)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def work(seed: int) -> None:
+        try:
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                barrier.wait()
+                for _ in range(25):
+                    lhs = torch.randn(48, 128, device="cuda", generator=gen)
+                    rhs = torch.randn(128, 80, device="cuda", generator=gen)
+                    bias = torch.randn(80, device="cuda", generator=gen) * 4
+                    out = fused_matmul_add_relu(lhs, rhs, bias)
+                    stream.synchronize()
+                    check_forward(out, lhs, rhs, bias)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(100 + i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+@requires_cuda
 def test_cuda_graph_capture_forward_backward():
     torch.manual_seed(14)
     model = FusedLinearReLU(64, 128, device="cuda")
