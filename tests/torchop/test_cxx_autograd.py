@@ -413,12 +413,19 @@ def test_only_the_used_inputs_get_gradients(python_path: bool) -> None:
 
 def test_a_norm_without_weight_and_bias_gets_no_edges_for_them() -> None:
     """No weight, no bias: the Node has no edge for them, and the leaf x gets its .grad as with torch's ops."""
+    torch.manual_seed(21)
     x = torch.randn(3, 8, requires_grad=True)
     y = ops.fused_relu_layernorm(x, None, None)
     assert y.grad_fn.name() == "opbuilder::FusedReluLayerNormBackward"
     y.pow(2).sum().backward()
-    want = torch.autograd.grad(torch.nn.functional.layer_norm(torch.relu(x), (8,)).pow(2).sum(), x)[0]
-    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+    x64 = x.detach().double().requires_grad_()
+    want = torch.autograd.grad(torch.nn.functional.layer_norm(torch.relu(x64), (8,)).pow(2).sum(), x64)[0]
+    # float32 against the float64 reference, per row: a row of few positive values has a small variance, and its
+    # gradient's terms cancel (over 3000 seeds ours reached 117 eps of the row's largest gradient + 1, torch's
+    # own float32 ops 184; an unseeded 1e-5 absolute bound failed once in CI's run of this test).
+    bound = 256 * torch.finfo(torch.float32).eps * (want.abs().amax(dim=-1, keepdim=True) + 1)
+    err = (x.grad.double() - want).abs()
+    assert bool((err <= bound).all()), f"error {err.max().item():.3g} above the bound {bound.min().item():.3g}"
 
 
 def test_in_place_change_of_a_saved_tensor_is_caught() -> None:
