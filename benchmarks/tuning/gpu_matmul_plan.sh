@@ -1,7 +1,8 @@
-# Thirteenth session (issue 23): fused_matmul_add_relu's cuBLASLt descriptor and layouts kept per thread. The new
-# tests, then host_overhead.py (fused_matmul_add_relu) with the change, without it (plan.patch reversed on the
-# device copy), with it again; and the new tests against a mutation that sets the bias pointer only when the
-# descriptor is made (expect the same-problem test to fail). Make plan.patch here, untracked:
+# Issue 23, the twelfth session of benchmarks/NOTES.md: fused_matmul_add_relu's cuBLASLt descriptor and layouts
+# kept per thread. PART plan: the new tests, then host_overhead.py (fused_matmul_add_relu) with the change, without
+# it (plan.patch reversed on the device copy), with it again; and the new tests against a mutation that sets the
+# bias pointer only when the descriptor is made (expect the same-problem test to fail). Make plan.patch here,
+# untracked:
 #   git diff 3e30611 2da52e2 -- kernels/fused_matmul_add_relu/fused_matmul_add_relu.cu > plan.patch
 #   OUT=$OUT bash benchmarks/tuning/gpu_matmul_plan.sh plan
 # PART threads: the threads test, then the same against a mutation that shares one map of descriptors between
