@@ -142,8 +142,9 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     if inline(x):  # a small call under torch.compile: Inductor fuses torch.relu with its neighbours
         return reference(x).contiguous()  # as the kernel's output
     refuse_forward_ad("relu", x)
-    # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0.
-    if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x):
+    # A DTensor takes relu's own backward (from y): the mask could only follow an x split on dim 0. So does a
+    # call torch.jit.trace records: one op whatever the grad mode (its check of the trace runs under no_grad).
+    if x.requires_grad and torch.is_grad_enabled() and not sharding.is_dtensor(x) and not eager.jit_tracing():
         return relu_mask_op()(x)[0]
     return relu_op()(x)
 

@@ -269,10 +269,8 @@ def registered(op: str, namespace: str) -> frozenset[str]:
     process that only traces or runs inference builds nothing."""
     if _state != "ready" and not load(wait=False, build=False):
         return frozenset()
-    from torch.utils._python_dispatch import _disable_current_modes
-
     try:
-        with _disable_current_modes():
+        with _registering():
             names = getattr(torch.ops, _namespace).bind_registered(op, namespace)
     except Exception as exc:  # noqa: BLE001 (the Python formulas are there: never fail a call)
         warnings.warn(f"opbuilder: {op}'s registered op takes its Python autograd formula: binding its C++ kernel "
@@ -283,16 +281,32 @@ def registered(op: str, namespace: str) -> frozenset[str]:
 
 def _bind(op: str, namespace: str, key: tuple[str, str]) -> None:
     """Bind the glue to one loaded op's namespace; a failure leaves that op on the Python path, with a warning."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     try:
-        with _disable_current_modes():  # a registration, not a computation: no dispatch mode should see it
+        with _registering():
             getattr(torch.ops, _namespace).bind(op, namespace)
         _bound[key] = True
     except Exception as exc:  # noqa: BLE001 (as in load)
         _bound[key] = False
         warnings.warn(f"opbuilder: {op}'s gradients take the Python path: binding its C++ gradient failed: "
                       f"{str(exc).splitlines()[0]}", FallbackWarning, stacklevel=5)
+
+
+@contextlib.contextmanager
+def _registering() -> Iterator[None]:
+    """Around the glue's registration calls (``bind``, ``bind_registered``: torch.ops calls that register, not
+    compute): no dispatch mode sees them, and ``torch.jit.trace`` does not record them (its tracer cannot take
+    their list of names, and would fail the registration, leaving the op on the Python path for good)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    tracing = torch._C._get_tracing_state()
+    if tracing is not None:
+        torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        if tracing is not None:
+            torch._C._set_tracing_state(tracing)
 
 
 @contextlib.contextmanager

@@ -25,9 +25,9 @@ A ``nograd`` overload is not differentiable: called by hand on inputs that need 
 torch's fallback for ops without autograd (a warning at backward, no gradient). The functions here
 take it only where no gradient is recorded.
 
-Everything else -- ``torch.compile`` (Dynamo traces the registered op), functorch transforms (vmap,
-grad), forward-mode AD -- takes the registered op, so opcheck, compile and autograd see one op. Under
-autocast, an op with an autocast rule (``register_autocast``) takes the registered op where a gradient
+Everything else -- ``torch.compile`` (Dynamo traces the registered op), ``torch.jit.trace``, functorch
+transforms (vmap, grad), forward-mode AD -- takes the registered op, so opcheck, compile and autograd see one
+op. Under autocast, an op with an autocast rule (``register_autocast``) takes the registered op where a gradient
 is needed (the rule must cast before autograd sees the inputs); its ``nograd`` overload carries the
 same rule.
 """
@@ -46,6 +46,7 @@ _TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 _ANY_AUTOCAST = torch._C._is_any_autocast_enabled
 _IS_COMPILING = torch.compiler.is_compiling
+_IS_TRACING = torch._C._is_tracing  # torch.jit.trace
 # The C part of Function.apply: builds the graph node and runs forward(ctx, *args) with grad mode off.
 _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
@@ -100,9 +101,17 @@ def register_python_grad(qualname: str, call: Callable[..., Any]) -> None:
 
 def direct() -> bool:
     """Whether a call may go to the C++ op directly: not traced by Dynamo or export (``is_compiling``
-    is a constant True in Dynamo, so a traced call takes the registered op), no functorch transform, no
-    forward AD."""
-    return not (_IS_COMPILING() or _TRANSFORMS_ACTIVE() or forward_ad._current_level >= 0)
+    is a constant True in Dynamo, so a traced call takes the registered op), nor by ``torch.jit.trace`` (its
+    graph then holds the registered op, with its autograd formula, whatever the grad mode at the trace; and
+    one op from one line with or without a gradient, as its check of the trace under ``no_grad`` asks), no
+    functorch transform, no forward AD."""
+    return not (_IS_COMPILING() or _TRANSFORMS_ACTIVE() or forward_ad._current_level >= 0 or _IS_TRACING())
+
+
+def jit_tracing() -> bool:
+    """Whether ``torch.jit.trace`` records this call (never asked of the tracer under Dynamo, which cannot trace
+    the question)."""
+    return not _IS_COMPILING() and _IS_TRACING()
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -1,0 +1,59 @@
+"""``torch.jit.trace`` of models with our layers: the graph holds each op's registered op, checked by the trace's own
+sanity check (a second trace under ``no_grad``), and the process keeps its C++ gradient path."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from helpers import run_python
+
+_TRACE_EVERY_LAYER = textwrap.dedent("""
+    import sys, warnings
+    import torch
+    import opbuilder.ops as ops
+    from opbuilder.errors import FallbackWarning
+    from opbuilder.torchop import cxx_autograd
+
+    warnings.simplefilter("error", FallbackWarning)  # a registration that fails under the tracer: fail here
+    torch.manual_seed(0)
+    layers = {"ReLU": ops.ReLU(), "Softmax": ops.Softmax(-1), "RMSNorm": ops.RMSNorm(8),
+              "FusedReLULayerNorm": ops.FusedReLULayerNorm(8), "FusedLinearReLU": ops.FusedLinearReLU(8, 6)}
+    for name, layer in layers.items():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer).double()  # parameters that need a gradient
+        x = torch.randn(5, 8, dtype=torch.float64)
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                traced = torch.jit.trace(model, x)  # check_trace: traced again under no_grad, graphs compared
+            y = traced(x)
+            y.square().sum().backward()
+            got = [p.grad for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            want = model(x)
+            want.square().sum().backward()
+            torch.testing.assert_close(y, want)
+            for g, p in zip(got, model.parameters()):
+                torch.testing.assert_close(g, p.grad)
+            model.zero_grad(set_to_none=True)
+    norm = ops.FusedAddRMSNorm(8).double()
+    x, r = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    out, res = torch.jit.trace(norm, (x, r))(x, r)
+    want_out, want_res = norm(x, r)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(res, want_res)
+
+    # The tracing left the C++ path on, the registered ops' Autograd kernels included.
+    assert cxx_autograd.state() == "ready", cxx_autograd.state()
+    softmax = sys.modules["opbuilder.ops.softmax"]
+    node = softmax.forward_op()(torch.randn(3, 4, requires_grad=True)).grad_fn.name()
+    assert node.startswith("opbuilder::"), node
+    print("OK")
+""")
+
+
+def test_trace_of_every_layer_with_and_without_grad(cxx_autograd_glue: Path) -> None:
+    # A fresh process: the registered ops' Autograd kernels are bound at their first use, here under the tracer.
+    result = run_python("import warnings; warnings.filterwarnings('ignore', category=FutureWarning)\n"
+                        + _TRACE_EVERY_LAYER)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout
