@@ -6,7 +6,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from helpers import run_python
+import pytest
+from helpers import DEVICES, run_python
 
 _TRACE_EVERY_LAYER = textwrap.dedent("""
     import sys, warnings
@@ -20,8 +21,8 @@ _TRACE_EVERY_LAYER = textwrap.dedent("""
     layers = {"ReLU": ops.ReLU(), "Softmax": ops.Softmax(-1), "RMSNorm": ops.RMSNorm(8),
               "FusedReLULayerNorm": ops.FusedReLULayerNorm(8), "FusedLinearReLU": ops.FusedLinearReLU(8, 6)}
     for name, layer in layers.items():
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer).double()  # parameters that need a gradient
-        x = torch.randn(5, 8, dtype=torch.float64)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer).to(DEVICE, torch.float64)  # parameters: a gradient
+        x = torch.randn(5, 8, dtype=torch.float64, device=DEVICE)
         for grad in (True, False):
             with torch.set_grad_enabled(grad):
                 traced = torch.jit.trace(model, x)  # check_trace: traced again under no_grad, graphs compared
@@ -35,8 +36,9 @@ _TRACE_EVERY_LAYER = textwrap.dedent("""
             for g, p in zip(got, model.parameters()):
                 torch.testing.assert_close(g, p.grad)
             model.zero_grad(set_to_none=True)
-    norm = ops.FusedAddRMSNorm(8).double()
-    x, r = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    norm = ops.FusedAddRMSNorm(8).to(DEVICE, torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64, device=DEVICE)
+    r = torch.randn(5, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
     out, res = torch.jit.trace(norm, (x, r))(x, r)
     want_out, want_res = norm(x, r)
     torch.testing.assert_close(out, want_out)
@@ -45,15 +47,16 @@ _TRACE_EVERY_LAYER = textwrap.dedent("""
     # The tracing left the C++ path on, the registered ops' Autograd kernels included.
     assert cxx_autograd.state() == "ready", cxx_autograd.state()
     softmax = sys.modules["opbuilder.ops.softmax"]
-    node = softmax.forward_op()(torch.randn(3, 4, requires_grad=True)).grad_fn.name()
+    node = softmax.forward_op()(torch.randn(3, 4, device=DEVICE, requires_grad=True)).grad_fn.name()
     assert node.startswith("opbuilder::"), node
     print("OK")
 """)
 
 
-def test_trace_of_every_layer_with_and_without_grad(cxx_autograd_glue: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_trace_of_every_layer_with_and_without_grad(device: str, cxx_autograd_glue: Path) -> None:
     # A fresh process: the registered ops' Autograd kernels are bound at their first use, here under the tracer.
     result = run_python("import warnings; warnings.filterwarnings('ignore', category=FutureWarning)\n"
-                        + _TRACE_EVERY_LAYER)
+                        f"DEVICE = {device!r}\n" + _TRACE_EVERY_LAYER)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
