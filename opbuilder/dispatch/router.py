@@ -73,7 +73,11 @@ class Router:
             if x is None:  # no tensor among the arguments: no bucket
                 return self.default(*args, **kwargs)
             # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
-            key = (x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
+            n = x.numel()
+            if type(n) is int:
+                key = (x.is_cuda, x.dtype, n.bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
+            else:
+                key = _untraced_key(x)
             # the call's bucket; else (a bucket no workload had) its device, dtype and kind of width; else its device
             fn = table.get(key) or table.get((key[0], key[1], key[3])) or table.get((key[0],)) or self.default
             return fn(*args, **kwargs)
@@ -102,7 +106,23 @@ def _first_tensor(args: tuple, kwargs: dict[str, Any] | None = None, params: tup
 
 def _key(x: Any) -> tuple:
     """A call's (on a GPU, dtype, size class, last dim a multiple of 8): trace.bucket's facts, flat."""
-    return x.is_cuda, x.dtype, x.numel().bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0
+    n = x.numel()
+    if type(n) is not int:
+        return _untraced_key(x)
+    return x.is_cuda, x.dtype, n.bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0
+
+
+def _untraced_key(x: Any) -> tuple:
+    """``_key`` under ``torch.jit.trace``, where sizes are traced tensors: read with the tracer paused (the choice
+    is Python's, made at the trace and kept in its graph, as any Python branch is)."""
+    import torch
+
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return _key(x)
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 def _flat(where: tuple) -> tuple:

@@ -46,6 +46,7 @@ _TRANSFORMS_ACTIVE = torch._C._are_functorch_transforms_active
 _ANY_REQUIRES_GRAD = torch._C._any_requires_grad
 _ANY_AUTOCAST = torch._C._is_any_autocast_enabled
 _IS_COMPILING = torch.compiler.is_compiling
+_IS_DYNAMO_COMPILING = torch.compiler.is_dynamo_compiling
 _IS_TRACING = torch._C._is_tracing  # torch.jit.trace
 # The C part of Function.apply: builds the graph node and runs forward(ctx, *args) with grad mode off.
 _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
@@ -110,8 +111,8 @@ def direct() -> bool:
 
 def jit_tracing() -> bool:
     """Whether ``torch.jit.trace`` records this call (never asked of the tracer under Dynamo, which cannot trace
-    the question)."""
-    return not _IS_COMPILING() and _IS_TRACING()
+    the question; Dynamo's own flag: ``is_compiling()`` is True in every thread while any compile runs)."""
+    return not _IS_DYNAMO_COMPILING() and _IS_TRACING()
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -4,6 +4,7 @@ autograd, and the fallback when no compiler is there."""
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,6 +83,16 @@ def test_routed_op_under_autograd_and_torch_compile(relu_spy) -> None:
     compiled = torch.compile(lambda t: ops.relu(t) * 2, fullgraph=True)  # a graph break would raise
     y = torch.randn(7, 111)
     torch.testing.assert_close(compiled(y), torch.relu(y) * 2)
+
+
+def test_routed_op_under_jit_trace(relu_spy) -> None:
+    # Under torch.jit.trace a tensor's sizes are traced tensors: the router reads them with the tracer paused.
+    x = torch.randn(7, 111)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace is deprecated
+        traced = torch.jit.trace(ops.relu, x)
+    assert SPY_CALLS[0] == (7, 111)  # the trace's bucket for 7x111: the reference
+    torch.testing.assert_close(traced(x), torch.relu(x))
 
 
 def test_a_trace_choosing_torch_compile_inside_a_compiled_caller() -> None:

@@ -60,3 +60,39 @@ def test_trace_of_every_layer_with_and_without_grad(device: str, cxx_autograd_gl
                         f"DEVICE = {device!r}\n" + _TRACE_EVERY_LAYER)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
+
+
+_TRACE_WHILE_ANOTHER_THREAD_COMPILES = textwrap.dedent("""
+    import threading, warnings
+    import torch
+    import opbuilder.ops as ops
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    started, release = threading.Event(), threading.Event()
+
+    def backend(gm, example_inputs):  # holds the other thread's compile open while this one traces
+        started.set()
+        release.wait(120)
+        return gm
+
+    other = threading.Thread(target=lambda: torch.compile(lambda v: v * 2 + 1, backend=backend)(torch.randn(3)))
+    other.start()
+    assert started.wait(120)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), ops.ReLU())
+    x = torch.randn(5, 8)
+    try:
+        traced = torch.jit.trace(model, x)  # relu: one op with or without a gradient, whatever the other thread does
+    finally:
+        release.set()
+        other.join()
+    torch.testing.assert_close(traced(x), model(x))
+    print("OK")
+""")
+
+
+def test_trace_while_another_thread_compiles(cxx_autograd_glue: Path) -> None:
+    # torch.compiler.is_compiling() is True in every thread while any compile runs (torch 2.14): the trace must ask
+    # Dynamo's own flag, or relu takes relu_mask with a gradient and relu in the trace's check under no_grad.
+    result = run_python(_TRACE_WHILE_ANOTHER_THREAD_COMPILES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout
