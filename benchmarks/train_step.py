@@ -1,7 +1,7 @@
 """One training step with opbuilder's layers against the same model with PyTorch's layers (issue 23).
 
     python benchmarks/train_step.py [--device cpu|cuda] [--dtype bf16|fp32] [--sizes 256,1024,1024 ...]
-                                    [--compile] [--json FILE]
+                                    [--compile] [--graphs] [--json FILE]
 
 A step is: forward, MSE loss against a fixed target, backward, ``grad = None`` on every parameter; the
 models are benchmarks/parallel_models.py's (``FFNModel`` and ``Model``, two blocks), the two twins share
@@ -18,7 +18,11 @@ their weights. For each model and size it prints, in one run:
   where the step is host-bound (where the GPU is the bottleneck, a launch that waits for room in the queue
   may spin, and that counts too);
 - with ``--compile``, the step of ``torch.compile(model)`` (the whole model), ours and PyTorch's, and ours with
-  our kernels at every size (``OPB_COMPILE_INLINE_BELOW=0``; by default small calls trace the ops' definitions).
+  our kernels at every size (``OPB_COMPILE_INLINE_BELOW=0``; by default small calls trace the ops' definitions);
+- with ``--graphs`` (CUDA), the whole step captured in a CUDA graph (forward, loss, backward; how host-bound
+  training drops its host time) and replayed, ours and PyTorch's: the GPU's time per step, the host's gone;
+  with ``--compile`` too, ``torch.compile(mode="reduce-overhead")`` of the whole model (Inductor's CUDA graphs),
+  ours as compiled by default and with our kernels at every size.
 
 Each round times every run once, in an order shuffled anew each round (benchmarks/paired.py); the times
 columns are the median round's. A speedup or ratio is the median of its per-round ratios (the two runs of
@@ -68,11 +72,14 @@ def _step(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> None
         p.grad = None
 
 
-def _time_steps(model, x, target, steps: int, device: str) -> float:
-    """Seconds per step, the device synchronised before and after the run."""
+def _time_steps(model, x, target, steps: int, device: str, marked: bool = False) -> float:
+    """Seconds per step, the device synchronised before and after the run; ``marked``: each step begins with
+    ``torch.compiler.cudagraph_mark_step_begin()`` (Inductor's CUDA graphs)."""
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
+        if marked:
+            torch.compiler.cudagraph_mark_step_begin()
         _step(model, x, target)
     _sync(device)
     return (time.perf_counter() - start) / steps
@@ -110,8 +117,32 @@ def _host_steps(model, x, target, steps: int, device: str) -> float:
     return host
 
 
+def _captured(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """``model``'s step (forward, loss, backward into its ``.grad``s) captured in a CUDA graph, after a warm-up
+    on a side stream (tests/torchop/test_cuda_graphs.py checks that a replay computes what eager does)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            _step(model, x, target)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        F.mse_loss(model(x).float(), target).backward()
+    return graph
+
+
+def _time_replays(graph: torch.cuda.CUDAGraph, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device: str, steps: int, rounds: int,
-            compile_: bool) -> dict:
+            compile_: bool, graphs: bool = False) -> dict:
     ours, plain = twins(cls, dim, hidden, dtype, device)
     control = copy.deepcopy(plain)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -161,6 +192,20 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
         runs["compiled_ours"] = lambda: _time_steps(c_ours, x, target, steps, device)
         runs["compiled_kernels"] = lambda: _time_steps(c_kernels, x, target, steps, device)
         runs["compiled_torch"] = lambda: _time_steps(c_plain, x, target, steps, device)
+    if graphs:  # copies: a captured model's .grad tensors belong to its graph
+        g_ours, g_plain = _captured(copy.deepcopy(ours), x, target), _captured(copy.deepcopy(plain), x, target)
+        runs["graphed_ours"] = lambda: _time_replays(g_ours, steps)
+        runs["graphed_torch"] = lambda: _time_replays(g_plain, steps)
+    if graphs and compile_:
+        ro_ours, ro_plain = (torch.compile(_OwnGraphs(copy.deepcopy(m)), mode="reduce-overhead") for m in (ours, plain))
+        ro_kernels = torch.compile(_OwnGraphsKernels(copy.deepcopy(ours)), mode="reduce-overhead")
+        for model in (ro_ours, ro_plain):
+            _time_steps(model, x, target, 3, device, marked=True)
+        with mock.patch.dict(os.environ, {"OPB_COMPILE_INLINE_BELOW": "0"}):
+            _time_steps(ro_kernels, x, target, 3, device, marked=True)
+        runs["compiled_graphs_ours"] = lambda: _time_steps(ro_ours, x, target, steps, device, marked=True)
+        runs["compiled_graphs_kernels"] = lambda: _time_steps(ro_kernels, x, target, steps, device, marked=True)
+        runs["compiled_graphs_torch"] = lambda: _time_steps(ro_plain, x, target, steps, device, marked=True)
     ran_out = _SLEEP_RAN_OUT
     times = interleave(runs, rounds)
     if device != "cuda":  # on the CPU the host time is the step time
@@ -179,6 +224,11 @@ def measure(cls, dim: int, hidden: int, tokens: int, dtype: torch.dtype, device:
     if compile_:
         pairs.update(compiled_speedup=("compiled_torch", "compiled_ours"),
                      compiled_kernels_speedup=("compiled_torch", "compiled_kernels"))
+    if graphs:
+        pairs["graphed_speedup"] = ("graphed_torch", "graphed_ours")
+    if graphs and compile_:
+        pairs.update(compiled_graphs_speedup=("compiled_graphs_torch", "compiled_graphs_ours"),
+                     compiled_graphs_kernels_speedup=("compiled_graphs_torch", "compiled_graphs_kernels"))
     for name, (num, den) in pairs.items():
         row[name], row[f"{name}_low"], row[f"{name}_high"] = ratio(times[num], times[den])
     return row
@@ -196,6 +246,20 @@ class _OwnCompile(torch.nn.Module):
         return self.model(x)
 
 
+class _OwnGraphs(_OwnCompile):
+    """As ``_OwnCompile``, a code object of its own: the reduce-overhead compile's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class _OwnGraphsKernels(_OwnCompile):
+    """The reduce-overhead compile with our kernels at every size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
 def _interval(r: dict, name: str) -> str:
     if name not in r:
         return "-"
@@ -205,14 +269,16 @@ def _interval(r: dict, name: str) -> str:
 def table(rows: list[dict]) -> str:
     head = ("model", "dim", "tokens", "ours ms", "py-path ms", "torch ms", "speedup", "control",
             "host ours/torch", "host py-path/torch", "host CPU ours/torch", "compiled speedup",
-            "compiled, our kernels at every size")
+            "compiled, our kernels at every size", "CUDA graph speedup", "reduce-overhead speedup",
+            "reduce-overhead, our kernels at every size")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([
             r["model"], str(r["dim"]), str(r["tokens"]), f"{r['ours_ms']:.3f}", f"{r['ours_python_ms']:.3f}",
             f"{r['torch_ms']:.3f}", *(_interval(r, name) for name in (
                 "speedup", "control_speedup", "host_ratio", "host_ratio_python_path", "cpu_ratio",
-                "compiled_speedup", "compiled_kernels_speedup"))]))
+                "compiled_speedup", "compiled_kernels_speedup", "graphed_speedup",
+                "compiled_graphs_speedup", "compiled_graphs_kernels_speedup"))]))
     return "\n".join(lines)
 
 
@@ -226,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=9, help="rounds (default 9); each times every run once, in a shuffled order")
     p.add_argument("--threads", type=int, help="torch.set_num_threads on the CPU")
     p.add_argument("--compile", action="store_true", help="also time torch.compile of the whole model")
+    p.add_argument("--graphs", action="store_true", help="also time the whole step captured in a CUDA graph (CUDA)")
     p.add_argument("--json", type=Path, metavar="FILE")
     args = p.parse_args(argv)
     for name in ("steps", "rounds"):
@@ -233,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name}: expected 1 or more, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but this torch sees no GPU")
+    if args.graphs and args.device != "cuda":
+        p.error(f"--graphs: CUDA graphs need --device cuda, got --device {args.device}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
@@ -248,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     for dim, hidden, tokens in sizes:
         for name in args.models:
             cls = {"FFNModel": FFNModel, "Model": Model}[name]
-            rows.append(measure(cls, dim, hidden, tokens, dtype, args.device, args.steps, args.rounds, args.compile))
+            rows.append(measure(cls, dim, hidden, tokens, dtype, args.device, args.steps, args.rounds, args.compile,
+                                args.graphs))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\nTraining step, {device}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
