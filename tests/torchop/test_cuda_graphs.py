@@ -1,7 +1,8 @@
 """Whole training steps with our layers under CUDA graphs, as host-bound training takes them: the step captured by
-hand (``torch.cuda.graph``: forward, loss and the backward through the ops' C++ Nodes) and
-``torch.compile(mode="reduce-overhead")`` (Inductor's CUDA graph trees, our kernels as extern calls and traced as
-their definitions). A replay must compute what eager computes on the replay's inputs."""
+hand (``torch.cuda.graph``: forward, loss and the backward through the ops' C++ Nodes), a model's forward and
+backward captured apart (``torch.cuda.make_graphed_callables``) and ``torch.compile(mode="reduce-overhead")``
+(Inductor's CUDA graph trees, our kernels as extern calls and traced as their definitions). A replay must compute
+what eager computes on the replay's inputs."""
 
 from __future__ import annotations
 
@@ -91,6 +92,27 @@ def test_a_step_captured_whole_replays_as_eager(cls, cxx_autograd_glue) -> None:
         if first is None:
             first = [g.clone() for g in grads]
     assert not all(torch.equal(a, b) for a, b in zip(first, grads)), "the replays computed the same gradients"
+
+
+@pytest.mark.parametrize("cls", [FFNModel, Model], ids=lambda c: c.__name__)
+def test_make_graphed_callables_trains_as_eager(cls, cxx_autograd_glue) -> None:
+    ours, _ = twins(cls, DIM, HIDDEN, torch.float32, "cuda")
+    eager = copy.deepcopy(ours)
+    sample = _inputs(0)[0].requires_grad_()  # a gradient for the input too: the layer below would want it
+    graphed = torch.cuda.make_graphed_callables(ours, (sample,))
+    for seed in (1, 2):
+        x, target = _inputs(seed)
+        x_ours, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ours.zero_grad(set_to_none=True)
+        loss = _loss(graphed, x_ours, target)
+        loss.backward()
+        eager.zero_grad(set_to_none=True)
+        want_loss = _loss(eager, x_eager, target)
+        want_loss.backward()
+        torch.testing.assert_close(loss, want_loss, **TOL)
+        torch.testing.assert_close(x_ours.grad, x_eager.grad, **TOL)
+        for p, q in zip(ours.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 
 @pytest.mark.parametrize("inline_below", [None, "0"], ids=["default", "our-kernels-at-every-size"])
