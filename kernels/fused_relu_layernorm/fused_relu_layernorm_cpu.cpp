@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -28,6 +30,19 @@ constexpr int kLanes = 64 / sizeof(A);  // one 512-bit register's worth
 template <typename A>
 inline A relu(A v) {
   return v < A(0) ? A(0) : v;
+}
+
+// v where `keep`, else +0, by its bits rather than a branch or a select on floats: GCC (with its default
+// -ftrapping-math) vectorizes no loop that picks between float values computed in it ("control flow in loop").
+template <typename A>
+inline A keep_if(bool keep, A v) {
+  using Bits = std::conditional_t<sizeof(A) == 4, uint32_t, uint64_t>;
+  static_assert(sizeof(A) == sizeof(Bits));
+  Bits b;
+  std::memcpy(&b, &v, sizeof b);
+  b &= Bits(0) - Bits(keep);
+  std::memcpy(&v, &b, sizeof b);
+  return v;
 }
 
 // Rows per parallel task: at least ~32K elements, so the thread pool's overhead stays small.
@@ -135,29 +150,42 @@ void forward_typed(const FwdArgs& a) {
 
 // One row of the backward. g = dy * w, xhat = (relu(x) - mean) * rstd:
 //   dx = [x > 0] * rstd * (g - (xhat * mean(g * xhat) + mean(g)))
-// and, when pdw is not null, pdw += dy * xhat, pdb += dy. The second pass re-reads the row from cache.
-template <typename T, typename A>
-void backward_row(const T* x, const T* dy, const A* wa, A mean, A rstd, T* dx, A* pdw, A* pdb, int64_t n) {
-  auto grad_out = [&](int64_t j) { return wa != nullptr ? static_cast<A>(dy[j]) * wa[j] : static_cast<A>(dy[j]); };
+// and, with kAffine, pdw += dy * xhat, pdb += dy. The second pass re-reads the row from cache. One instance per
+// case (weight or not, affine gradients or not) and no branch on the values, so the compiler vectorizes the second
+// pass: with the cases and relu's tests left to branches it ran one element at a time, mispredicting on the signs
+// (256 x 1024 floats, one thread: 2.4 ms against aten's 0.22 for layer norm's backward alone).
+template <typename T, typename A, bool kWeight, bool kAffine>
+void backward_row_as(const T* __restrict__ x, const T* __restrict__ dy, const A* __restrict__ wa, A mean, A rstd,
+                     T* __restrict__ dx, A* __restrict__ pdw, A* __restrict__ pdb, int64_t n) {
   double sums[2];
   row_sums<A, 2>(n, [&](int64_t j, A* t) {
     const A xh = (relu(static_cast<A>(x[j])) - mean) * rstd;
-    const A g = grad_out(j);
+    const A g = kWeight ? static_cast<A>(dy[j]) * wa[j] : static_cast<A>(dy[j]);
     t[0] = g * xh;
     t[1] = g;
   }, sums);
   const A c1 = static_cast<A>(sums[0] / double(n)), c2 = static_cast<A>(sums[1] / double(n));
   for (int64_t i = 0; i < n; ++i) {
     const A xv = static_cast<A>(x[i]);
-    const A xh = (relu(xv) - mean) * rstd;
-    const A d = rstd * (grad_out(i) - (xh * c1 + c2));
-    // relu's gradient, as threshold_backward: zero where x <= 0.
-    dx[i] = static_cast<T>(xv <= A(0) ? A(0) : d);
-    if (pdw != nullptr) {
-      pdw[i] += static_cast<A>(dy[i]) * xh;
-      pdb[i] += static_cast<A>(dy[i]);
+    const A dyv = static_cast<A>(dy[i]);
+    const A xh = (keep_if(!(xv < A(0)), xv) - mean) * rstd;  // relu(x), NaN and -0.0 kept
+    const A g = kWeight ? dyv * wa[i] : dyv;
+    const A d = rstd * (g - (xh * c1 + c2));
+    // relu's gradient, as threshold_backward: +0 where x <= 0, whatever d is there.
+    dx[i] = static_cast<T>(keep_if(!(xv <= A(0)), d));
+    if constexpr (kAffine) {
+      pdw[i] += dyv * xh;
+      pdb[i] += dyv;
     }
   }
+}
+
+template <typename T, typename A>
+void backward_row(const T* x, const T* dy, const A* wa, A mean, A rstd, T* dx, A* pdw, A* pdb, int64_t n) {
+  if (wa != nullptr && pdw != nullptr) return backward_row_as<T, A, true, true>(x, dy, wa, mean, rstd, dx, pdw, pdb, n);
+  if (wa != nullptr) return backward_row_as<T, A, true, false>(x, dy, wa, mean, rstd, dx, pdw, pdb, n);
+  if (pdw != nullptr) return backward_row_as<T, A, false, true>(x, dy, wa, mean, rstd, dx, pdw, pdb, n);
+  return backward_row_as<T, A, false, false>(x, dy, wa, mean, rstd, dx, pdw, pdb, n);
 }
 
 template <typename T>
