@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -57,7 +58,7 @@ def _node_names(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -
 
 
 @pytest.mark.parametrize("cls", [FFNModel, Model], ids=lambda c: c.__name__)
-def test_a_step_captured_whole_replays_as_eager(cls, cxx_autograd_glue) -> None:
+def test_a_step_captured_whole_replays_as_eager(cls: type[torch.nn.Module], cxx_autograd_glue: Path) -> None:
     ours, _ = twins(cls, DIM, HIDDEN, torch.float32, "cuda")
     eager = copy.deepcopy(ours)
     static_x, static_target = _inputs(0)
@@ -95,7 +96,7 @@ def test_a_step_captured_whole_replays_as_eager(cls, cxx_autograd_glue) -> None:
 
 
 @pytest.mark.parametrize("cls", [FFNModel, Model], ids=lambda c: c.__name__)
-def test_make_graphed_callables_trains_as_eager(cls, cxx_autograd_glue) -> None:
+def test_make_graphed_callables_trains_as_eager(cls: type[torch.nn.Module], cxx_autograd_glue: Path) -> None:
     ours, _ = twins(cls, DIM, HIDDEN, torch.float32, "cuda")
     eager = copy.deepcopy(ours)
     sample = _inputs(0)[0].requires_grad_()  # a gradient for the input too: the layer below would want it
@@ -117,7 +118,8 @@ def test_make_graphed_callables_trains_as_eager(cls, cxx_autograd_glue) -> None:
 
 @pytest.mark.parametrize("inline_below", [None, "0"], ids=["default", "our-kernels-at-every-size"])
 @pytest.mark.parametrize("cls", [FFNModel, Model], ids=lambda c: c.__name__)
-def test_reduce_overhead_compile_trains_as_eager(cls, inline_below, cxx_autograd_glue) -> None:
+def test_reduce_overhead_compile_trains_as_eager(cls: type[torch.nn.Module], inline_below: str | None,
+                                                cxx_autograd_glue: Path) -> None:
     torch._dynamo.reset()
     ours, _ = twins(cls, DIM, HIDDEN, torch.float32, "cuda")
     eager = copy.deepcopy(ours)
