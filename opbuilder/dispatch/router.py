@@ -115,14 +115,10 @@ def _key(x: Any) -> tuple:
 def _untraced_key(x: Any) -> tuple:
     """``_key`` under ``torch.jit.trace``, where sizes are traced tensors: read with the tracer paused (the choice
     is Python's, made at the trace and kept in its graph, as any Python branch is)."""
-    import torch
+    from opbuilder.torchop.tracer import untraced
 
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
+    with untraced():
         return _key(x)
-    finally:
-        torch._C._set_tracing_state(state)
 
 
 def _flat(where: tuple) -> tuple:

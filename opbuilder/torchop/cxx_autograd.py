@@ -47,6 +47,7 @@ import torch
 
 from opbuilder import env
 from opbuilder.errors import FallbackWarning
+from opbuilder.torchop.tracer import untraced
 
 _POLL_SECONDS = 0.25  # how often a call asks whether the background build has finished
 
@@ -298,15 +299,8 @@ def _registering() -> Iterator[None]:
     their list of names, and would fail the registration, leaving the op on the Python path for good)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    tracing = torch._C._get_tracing_state()
-    if tracing is not None:
-        torch._C._set_tracing_state(None)
-    try:
-        with _disable_current_modes():
-            yield
-    finally:
-        if tracing is not None:
-            torch._C._set_tracing_state(tracing)
+    with untraced(), _disable_current_modes():
+        yield
 
 
 @contextlib.contextmanager
