@@ -26,12 +26,6 @@ namespace {
 template <typename A>
 constexpr int kLanes = 64 / sizeof(A);  // one 512-bit register's worth
 
-// relu that keeps NaN, as torch.relu: `v < 0` is false for NaN.
-template <typename A>
-inline A relu(A v) {
-  return v < A(0) ? A(0) : v;
-}
-
 // v where `keep`, else +0, by its bits rather than a branch or a select on floats: GCC (with its default
 // -ftrapping-math) vectorizes no loop that picks between float values computed in it ("control flow in loop").
 template <typename A>
@@ -43,6 +37,12 @@ inline A keep_if(bool keep, A v) {
   b &= Bits(0) - Bits(keep);
   std::memcpy(&v, &b, sizeof b);
   return v;
+}
+
+// relu that keeps NaN and -0.0, as torch.relu: `v < 0` is false for both.
+template <typename A>
+inline A relu(A v) {
+  return keep_if(!(v < A(0)), v);
 }
 
 // Rows per parallel task: at least ~32K elements, so the thread pool's overhead stays small.
@@ -168,7 +168,7 @@ void backward_row_as(const T* __restrict__ x, const T* __restrict__ dy, const A*
   for (int64_t i = 0; i < n; ++i) {
     const A xv = static_cast<A>(x[i]);
     const A dyv = static_cast<A>(dy[i]);
-    const A xh = (keep_if(!(xv < A(0)), xv) - mean) * rstd;  // relu(x), NaN and -0.0 kept
+    const A xh = (relu(xv) - mean) * rstd;
     const A g = kWeight ? dyv * wa[i] : dyv;
     const A d = rstd * (g - (xh * c1 + c2));
     // relu's gradient, as threshold_backward: +0 where x <= 0, whatever d is there.

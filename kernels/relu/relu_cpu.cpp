@@ -87,16 +87,12 @@ void relu_mask_typed(const T* x, T* y, uint32_t* mask, int64_t n) {
   for_each_tile<T>(n, [&](int64_t t, int64_t base, int64_t m) {
     const T* xt = x + base;
     T* yt = y + base;
-    uint32_t w[P] = {};
 #ifdef __AVX2__
     if constexpr (std::is_same_v<T, float>) {
-      if (m == mask_tile(sizeof(T))) {
-        relu_mask_tile_avx2(xt, yt, w);
-        std::copy(w, w + P, mask + t * P);
-        return;
-      }
+      if (m == mask_tile(sizeof(T))) return relu_mask_tile_avx2(xt, yt, mask + t * P);
     }
 #endif
+    uint32_t w[P] = {};
     if (m == mask_tile(sizeof(T))) {
       for (int l = 0; l < 32; ++l) {
         for (int k = 0; k < P; ++k) {
