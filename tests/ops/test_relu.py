@@ -160,6 +160,49 @@ def test_mask_backward_equals_torch(device: str, dtype: torch.dtype, n: int) -> 
     torch.testing.assert_close(relu_mask_backward_op()(grad, mask), expected, rtol=0, atol=0, equal_nan=True)
 
 
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def every_bit_pattern(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Every value of a 16-bit dtype (NaNs of each payload and sign, subnormals, +-0, +-inf), then 100 more: whole
+    tiles of the mask and a partial one. For float32 and float64, 2**16 + 100 random bit patterns and the specials."""
+    ints = _BITS[dtype]
+    if dtype.itemsize == 2:
+        bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(ints)
+    else:
+        info = torch.iinfo(ints)
+        bits = torch.randint(info.min, info.max, (1 << 16,), dtype=ints, generator=torch.Generator().manual_seed(0))
+        specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1e-310, -1e-310,
+                                 1e-40, -1e-40], dtype=torch.float64).to(dtype).view(ints)
+        bits = torch.cat([specials, bits])
+    return torch.cat([bits, bits[:100]]).to(device).view(dtype)
+
+
+def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal bit for bit (-0.0 is not +0.0) where expected is a number; a NaN where it is NaN (torch computes a
+    16-bit relu in float32, which quiets a signalling NaN)."""
+    ints = _BITS[got.dtype]
+    nan = expected.isnan()
+    return bool(torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(ints), expected[~nan].view(ints)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", MASK_DTYPES)
+def test_every_bit_pattern(device: str, dtype: torch.dtype) -> None:
+    # Bit for bit: assert_close takes -0.0 for +0.0, which a kernel deciding on the bits could swap.
+    x = every_bit_pattern(dtype, device)
+    expected = torch.relu(x)
+    assert same_bits(relu_op()(x), expected)
+    assert same_bits(ops.relu(x), expected)  # relu.nograd
+    y, mask = relu_mask_op()(x)
+    assert same_bits(y, expected)
+    assert torch.equal(mask.to(torch.int64) & 0xFFFFFFFF, mask_reference(x))
+    grad = every_bit_pattern(dtype, device).flip(0)  # every pattern again, NaNs too, against another x
+    got = relu_mask_backward_op()(grad, mask)
+    assert same_bits(got, torch.ops.aten.threshold_backward(grad, expected, 0))
+    assert torch.equal(got[expected <= 0].view(_BITS[dtype]), torch.zeros_like(got[expected <= 0].view(_BITS[dtype])))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_training_step_non_contiguous(device: str, dtype: torch.dtype) -> None:
