@@ -129,7 +129,21 @@ void forward_typed(const FwdArgs& a) {
         row_sums<A, 1>(n, [&](int64_t j, A* t) { t[0] = buf[j] - mean; }, dev);
         mean += dev[0] / double(n);
       }
-      const double var = sum_sq_dev(buf.data(), n, mean) / double(n);
+      double var = sum_sq_dev(buf.data(), n, mean) / double(n);
+      if constexpr (!std::is_same_v<A, double>) {
+        // A row whose spread is within a few ulps of its mean (a constant row above all): the float lanes' sums can
+        // put the mean an ulp off every value. One more pass moves it onto them, so that x - mean is 0 exactly there
+        // (0 x an infinite weight is NaN, as in float64), and takes the shift off the variance (the corrected
+        // two-pass variance). Other rows skip it.
+        const double m = static_cast<double>(mean);
+        if (var <= m * m * 1e-12) {
+          double dev[1];
+          row_sums<A, 1>(n, [&](int64_t j, A* t) { t[0] = buf[j] - mean; }, dev);
+          const double shift = dev[0] / double(n);
+          mean += static_cast<A>(shift);
+          var = std::max(0.0, var - shift * shift);
+        }
+      }
       const A rstd = static_cast<A>(1.0 / std::sqrt(var + eps));
       mean_out[r] = mean;
       rstd_out[r] = rstd;

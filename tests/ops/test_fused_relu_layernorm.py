@@ -162,6 +162,22 @@ def test_all_negative_rows_give_the_bias(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_constant_row_is_exactly_centred(device: str, dtype: torch.dtype) -> None:
+    # x - mean is 0 exactly on a row of equal values, so y is the bias there and 0 x an infinite weight is NaN, as
+    # in float64. A float mean an ulp off the values (16 equal floats summed in float) gave +-inf instead: found by
+    # tests/ops/test_properties.py in the build without -march (OPB_CPU_ARCH=none).
+    for value, hidden in ((1.5409960746765137, 16), (0.1, 17), (3.3, 4097), (1e-3, 1000), (1e-3, 4097)):
+        w, b = params(hidden, dtype, device)
+        w[0] = float("inf")
+        for x in (torch.tensor(value, dtype=dtype, device=device).expand(2, hidden),
+                  torch.full((2, hidden), value, dtype=dtype, device=device)):
+            y = fused_relu_layernorm(x, w, b)
+            assert torch.isnan(y[:, 0]).all(), (value, hidden, y[:, 0])
+            assert torch.equal(y[:, 1:], b[1:].expand(2, hidden - 1)), (value, hidden)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_large_magnitudes_bf16(device: str) -> None:
     # Mean far larger than the spread: E[x^2] - E[x]^2 in float32 would lose every significant digit.
     for hidden in (768, 4096, 65536):
