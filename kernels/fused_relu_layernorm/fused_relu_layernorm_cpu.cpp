@@ -131,12 +131,12 @@ void forward_typed(const FwdArgs& a) {
       }
       double var = sum_sq_dev(buf.data(), n, mean) / double(n);
       if constexpr (!std::is_same_v<A, double>) {
-        // A row whose spread is within a few ulps of its mean (a constant row above all): the float lanes' sums can
-        // put the mean an ulp off every value. One more pass moves it onto them, so that x - mean is 0 exactly there
-        // (0 x an infinite weight is NaN, as in float64), and takes the shift off the variance (the corrected
-        // two-pass variance). Other rows skip it.
+        // A row whose spread is below 1e-4 of its mean (a constant row above all): the float lanes' sums (128 terms
+        // a lane in a block) can put the mean ulps off every value. One more pass moves it onto them, so that
+        // x - mean is 0 exactly on a constant row (0 x an infinite weight is NaN, as in float64), and takes the shift
+        // off the variance (the corrected two-pass variance). Other rows skip it.
         const double m = static_cast<double>(mean);
-        if (var <= m * m * 1e-12) {
+        if (var <= m * m * 1e-8) {
           double dev[1];
           row_sums<A, 1>(n, [&](int64_t j, A* t) { t[0] = buf[j] - mean; }, dev);
           const double shift = dev[0] / double(n);
