@@ -92,7 +92,38 @@ def register_queued(namespace: str, builtin: str | None = None) -> None:
         for qualname, backward, setup_context in queued:
             if qualname.removesuffix(".default") not in covered:
                 torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+                _refuse_forward_ad_below(qualname, builtin)
         _QUEUED.pop(namespace, None)
+
+
+# namespace -> the Library of its forward-AD refusals (kept: dropping it would unregister them)
+_REFUSALS: dict[str, torch.library.Library] = {}
+
+
+def _refuse_forward_ad_below(qualname: str, builtin: str | None) -> None:
+    """A kernel at the ADInplaceOrView key of ``qualname`` that refuses a forward-AD tangent and goes on down.
+    A Python formula's Autograd kernel sends inputs that need no gradient, a dual tensor's primal among them,
+    straight below autograd, so the registered op would return no tangent, a wrong answer without a word (the
+    C++ glue's kernels refuse such inputs themselves). The kernel after Autograd sees every such call; outside
+    a dual level it is one read and the redispatch."""
+    from opbuilder.torchop.once import refuse_forward_ad
+
+    ns, _, name = qualname.partition("::")
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops, ns), packet)
+    op = getattr(op, overload or "default")
+    after = torch._C._after_ADInplaceOrView_keyset
+    label = f"{builtin or ns}.{packet}"  # e.g. "softmax.forward"
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if forward_ad._current_level >= 0:
+            refuse_forward_ad(label, *(a for a in args if isinstance(a, torch.Tensor)))
+        return op.redispatch(keyset & after, *args, **kwargs)
+
+    lib = _REFUSALS.get(ns)
+    if lib is None:
+        lib = _REFUSALS[ns] = torch.library.Library(ns, "FRAGMENT")
+    lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
 
 
 def register_python_grad(qualname: str, call: Callable[..., Any]) -> None:
