@@ -56,7 +56,7 @@ c_void_p, c_int, c_int64, c_float, c_double = ctypes.c_void_p, ctypes.c_int, cty
 
 @dataclass(frozen=True)
 class Variant:
-    """fwd_reg_kernel<bf16, 8, nv, tpr, rows, early[, even]> of `impl` ("orig": git HEAD's, no `even`)."""
+    """fwd_reg_kernel<bf16, 8, nv, tpr, rows, early, even> of `impl` ("orig": git HEAD's)."""
 
     impl: str  # orig | new | a patch's name
     nv: int
@@ -69,7 +69,7 @@ class Variant:
     @property
     def name(self) -> str:
         wb = " early" if self.early else " late"
-        ev = "" if self.impl == "orig" else (" even" if self.even else " count")
+        ev = " even" if self.even else " count"
         return f"{self.impl} {self.tpr}x{self.nv} r{self.rows}{wb}{ev}" + (f" @{self.width}" if self.width else "")
 
     @property
@@ -83,13 +83,13 @@ class Variant:
     def cxx(self) -> str:
         ns = {"orig": "opb::orig_frln", "new": "opb::fused_relu_layernorm"}.get(self.impl)
         ns = ns or next(p[1] for p in PATCHES if p[0] == self.impl)
-        tail = "" if self.impl == "orig" else f", {'true' if self.even else 'false'}"
+        tail = f", {'true' if self.even else 'false'}"
         return (f"&{ns}::fwd_reg_kernel<__nv_bfloat16, 8, {self.nv}, {self.tpr}, {self.rows}, "
                 f"{'true' if self.early else 'false'}{tail}>")
 
 
 def V(impl: str, width: int, tpr: int, nv: int, rows: int = 1, early: bool = False, even: bool = True) -> Variant:
-    return Variant(impl, nv, tpr, rows, early, even if impl != "orig" else False, width)
+    return Variant(impl, nv, tpr, rows, early, even, width)
 
 
 V768 = [V("orig", 768, 32, 3, 2, True), V("new", 768, 32, 3, 2, True), V("acc1", 768, 32, 3, 2, True),

@@ -606,9 +606,19 @@ def _constant_row_without_eps() -> Case:
     return Case((torch.tensor([0.1], dtype=torch.float64).expand(3), None, None), {"eps": 0.0})
 
 
+def _fp32_overflow_row_with_bias() -> Case:
+    """Found by this test on the H100: a float32 row of one 1e30 among zeros, whose squared deviations overflow
+    (m2 = inf), was taken by the CUDA kernel's constant-row correction for a constant row, and inf - inf for a
+    variance of 0: y came out +-1e31. On the GPU where there is one (the CPU kernel sums squares in double)."""
+    device = DEVICES[-1]
+    x = torch.tensor([1e30] + [0.0] * 6, device=device)
+    return Case((x, None, torch.linspace(-1, 1, 7, device=device)), {"eps": 1e-5}, extreme=True, device=device)
+
+
 @PROPERTY_SETTINGS
 @given(layernorm_cases())
 @example(case=_fp32_overflow_row())
+@example(case=_fp32_overflow_row_with_bias())
 @example(case=_constant_row_without_eps())
 def test_fused_relu_layernorm(case: Case) -> None:
     device = case.device
