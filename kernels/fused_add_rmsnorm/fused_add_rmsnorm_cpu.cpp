@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/acc_type.h"
+#include "common/cpu_rows.h"
 
 namespace opb::fused_add_rmsnorm {
 
@@ -70,16 +71,48 @@ void forward_row(const T* x, const T* r, const T* w, T* out, T* res_out, int64_t
   }
 }
 
+// forward_row for float16 and bfloat16, on float row buffers (common/cpu_rows.h): h, t and wf (the weight,
+// converted once a task) hold n floats each. The same arithmetic, h rounded to T before its squares.
+template <typename T>
+void forward_row_through_float(const T* x, const T* r, const float* wf, T* out, T* res_out, int64_t n, float eps,
+                               float* h, float* t) {
+  cpu_rows::to_float(x, h, n);
+  if (r != nullptr) {
+    cpu_rows::to_float(r, t, n);
+    for (int64_t j = 0; j < n; ++j) h[j] += t[j];
+    cpu_rows::from_float(h, res_out, n);
+    cpu_rows::to_float(res_out, h, n);  // as rounded to T
+  }
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k) lanes[k] += h[i + k] * h[i + k];
+  }
+  for (; i < n; ++i) lanes[0] += h[i] * h[i];
+  const float rstd = 1.f / std::sqrt(sum_lanes(lanes) / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) t[j] = h[j] * rstd * wf[j];
+  cpu_rows::from_float(t, out, n);
+}
+
 template <typename T>
 void forward_typed(const T* x, const T* r, const T* w, T* out, T* res_out, int64_t rows, int64_t hidden, double eps) {
   using A = typename AccOf<T>::type;
   // At least ~16K elements a task, to amortise the thread pool.
   const int64_t grain = std::max<int64_t>(1, 16384 / hidden);
   torch::stable::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffers(cpu_rows::kThroughFloat<T> ? 3 * hidden : 0);
+    if constexpr (cpu_rows::kThroughFloat<T>) cpu_rows::to_float(w, buffers.data() + 2 * hidden, hidden);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t o = row * hidden;
-      forward_row<T, A>(x + o, r != nullptr ? r + o : nullptr, w, out + o, res_out != nullptr ? res_out + o : nullptr,
-                        hidden, static_cast<A>(eps));
+      const T* rr = r != nullptr ? r + o : nullptr;
+      T* ro = res_out != nullptr ? res_out + o : nullptr;
+      if constexpr (cpu_rows::kThroughFloat<T>) {
+        float* h = buffers.data();
+        forward_row_through_float<T>(x + o, rr, h + 2 * hidden, out + o, ro, hidden, static_cast<float>(eps), h,
+                                     h + hidden);
+      } else {
+        forward_row<T, A>(x + o, rr, w, out + o, ro, hidden, static_cast<A>(eps));
+      }
     }
   });
 }
@@ -136,13 +169,26 @@ void backward_typed(const T* gy, const T* gr, const T* h, const T* w, T* dh, T* 
   const int64_t chunks = (rows + per_chunk - 1) / per_chunk;
   std::vector<A> partial(static_cast<size_t>(chunks * hidden), A(0));
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    // float16 and bfloat16: the rows through float buffers (common/cpu_rows.h): gy, gr, h, dh and the weight.
+    std::vector<float> buffers(cpu_rows::kThroughFloat<T> ? 5 * hidden : 0);
+    float *gyf = buffers.data(), *grf = gyf + hidden, *hf = grf + hidden, *dhf = hf + hidden, *wf = dhf + hidden;
+    if constexpr (cpu_rows::kThroughFloat<T>) cpu_rows::to_float(w, wf, hidden);
     for (int64_t c = begin; c < end; ++c) {
       A* dwc = partial.data() + c * hidden;
       const int64_t last = std::min(rows, (c + 1) * per_chunk);
       for (int64_t row = c * per_chunk; row < last; ++row) {
         const int64_t o = row * hidden;
-        backward_row<T, A>(gy + o, gr != nullptr ? gr + o : nullptr, h + o, w, dh + o, dwc, hidden,
-                           static_cast<A>(eps));
+        if constexpr (cpu_rows::kThroughFloat<T>) {
+          cpu_rows::to_float(gy + o, gyf, hidden);
+          cpu_rows::to_float(h + o, hf, hidden);
+          if (gr != nullptr) cpu_rows::to_float(gr + o, grf, hidden);
+          backward_row<float, float>(gyf, gr != nullptr ? grf : nullptr, hf, wf, dhf, dwc, hidden,
+                                     static_cast<float>(eps));
+          cpu_rows::from_float(dhf, dh + o, hidden);
+        } else {
+          backward_row<T, A>(gy + o, gr != nullptr ? gr + o : nullptr, h + o, w, dh + o, dwc, hidden,
+                             static_cast<A>(eps));
+        }
         if (dh2 != nullptr) std::memcpy(dh2 + o, dh + o, static_cast<size_t>(hidden) * sizeof(T));  // still in cache
       }
     }

@@ -547,3 +547,20 @@ def test_small_cpu_backward_does_not_depend_on_the_thread_count(rows, hidden):
             torch.set_num_threads(before)
 
     assert torch.equal(weight_grad(1), weight_grad(2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_residual_out_rounds_as_torch_on_every_bit_pattern(device: str, dtype: torch.dtype) -> None:
+    # residual_out is input + residual in float, rounded to the 16-bit type: on the CPU the rows go to float and
+    # back many at a time (kernels/common/cpu_rows.h), so every pattern (subnormals, infinities, NaNs) and
+    # rounding both ways must come out as torch's own conversions give it. Rows of 4099: a partial group of 8.
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = torch.cat([bits, bits[:4099 * 17 - bits.numel()]]).view(dtype).view(17, 4099).to(device)
+    g = torch.Generator().manual_seed(0)
+    r = (torch.randn(17, 4099, generator=g) * torch.logspace(-8, 4, 4099)).to(dtype).to(device)
+    w = torch.ones(4099, dtype=dtype, device=device)
+    _, h = fused_add_rmsnorm(x, r, w)
+    want = (x.float() + r.float()).to(dtype)
+    same = (h.view(torch.int16) == want.view(torch.int16)) | (torch.isnan(h) & torch.isnan(want))
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()}: got {h[~same][:4]}, want {want[~same][:4]}"
