@@ -91,39 +91,44 @@ def register_queued(namespace: str, builtin: str | None = None) -> None:
             covered = cxx_autograd.registered(builtin, namespace)
         for qualname, backward, setup_context in queued:
             if qualname.removesuffix(".default") not in covered:
-                torch.library.register_autograd(qualname, backward, setup_context=setup_context)
-                _refuse_forward_ad_below(qualname, builtin)
+                _register_python_formula(qualname, backward, setup_context, builtin)
         _QUEUED.pop(namespace, None)
 
 
-# namespace -> the Library of its forward-AD refusals (kept: dropping it would unregister them)
-_REFUSALS: dict[str, torch.library.Library] = {}
+# namespace -> the Library its Python formulas are registered through (kept: dropping it would unregister them)
+_FORMULAS: dict[str, torch.library.Library] = {}
 
 
-def _refuse_forward_ad_below(qualname: str, builtin: str | None) -> None:
-    """A kernel at the ADInplaceOrView key of ``qualname`` that refuses a forward-AD tangent and goes on down.
-    A Python formula's Autograd kernel sends inputs that need no gradient, a dual tensor's primal among them,
-    straight below autograd, so the registered op would return no tangent, a wrong answer without a word (the
-    C++ glue's kernels refuse such inputs themselves). The kernel after Autograd sees every such call; outside
-    a dual level it is one read and the redispatch."""
+def _register_python_formula(qualname: str, backward: Callable[..., Any], setup_context: Callable[..., None],
+                             builtin: str | None) -> None:
+    """``torch.library.register_autograd(qualname, backward, setup_context=...)``, its Autograd kernel wrapped
+    so that it refuses a forward-AD tangent. torch's kernel sends inputs that need no gradient, a dual tensor's
+    primal among them, straight below autograd, so the registered op returned no tangent: a wrong answer without
+    a word (the C++ glue's kernels refuse such inputs themselves). Outside a dual level the wrapper is one read.
+    torch.library builds that kernel with ``torch._library.autograd.make_autograd_impl`` (the same since torch
+    2.4); a torch without it gets torch.library's own registration (tests/torchop/test_cxx_autograd.py's
+    forward-AD test then fails)."""
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+    except ImportError:  # pragma: no cover (every torch this project supports has it)
+        torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+        return
     from opbuilder.torchop.once import refuse_forward_ad
 
     ns, _, name = qualname.partition("::")
-    packet, _, overload = name.partition(".")
-    op = getattr(getattr(torch.ops, ns), packet)
-    op = getattr(op, overload or "default")
-    after = torch._C._after_ADInplaceOrView_keyset
+    packet = name.partition(".")[0]
     label = f"{builtin or ns}.{packet}"  # e.g. "softmax.forward"
+    autograd_kernel = make_autograd_impl(torch._library.utils.lookup_op(qualname), Info(backward, setup_context))
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if forward_ad._current_level >= 0:
             refuse_forward_ad(label, *(a for a in args if isinstance(a, torch.Tensor)))
-        return op.redispatch(keyset & after, *args, **kwargs)
+        return autograd_kernel(keyset, *args, **kwargs)
 
-    lib = _REFUSALS.get(ns)
+    lib = _FORMULAS.get(ns)
     if lib is None:
-        lib = _REFUSALS[ns] = torch.library.Library(ns, "FRAGMENT")
-    lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
+        lib = _FORMULAS[ns] = torch.library.Library(ns, "FRAGMENT")
+    lib.impl(name, kernel, "Autograd", with_keyset=True)
 
 
 def register_python_grad(qualname: str, call: Callable[..., Any]) -> None:

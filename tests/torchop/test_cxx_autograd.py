@@ -605,7 +605,8 @@ registered = [m["relu"].relu_op(), m["relu"].relu_mask_op(), m["relu"].relu_mask
 sites = []
 for op in registered:
     line = [l for l in torch._C._dispatch_dump(op._schema.name).splitlines() if l.startswith("Autograd[alias]")][0]
-    sites.append("glue" if "kernels/autograd/glue.cpp" in line else "python" if "torch/library.py" in line or "torch/_library/" in line else line)
+    python = any(f in line for f in ("torch/library.py", "torch/_library/", "opbuilder/torchop/eager.py"))
+    sites.append("glue" if "kernels/autograd/glue.cpp" in line else "python" if python else line)
 print("sites", " ".join(sorted(set(sites))), "state", cxx_autograd.state())
 """
 
