@@ -72,7 +72,7 @@ void forward_row(const T* x, const T* r, const T* w, T* out, T* res_out, int64_t
 }
 
 // forward_row for float16 and bfloat16, on float row buffers (common/cpu_rows.h): h, t and wf (the weight,
-// converted once a task) hold n floats each. The same arithmetic, h rounded to T before its squares.
+// converted once a task) hold n floats each. h is rounded to T (residual_out) before forward_row squares it.
 template <typename T>
 void forward_row_through_float(const T* x, const T* r, const float* wf, T* out, T* res_out, int64_t n, float eps,
                                float* h, float* t) {
@@ -83,14 +83,7 @@ void forward_row_through_float(const T* x, const T* r, const float* wf, T* out, 
     cpu_rows::from_float(h, res_out, n);
     cpu_rows::to_float(res_out, h, n);  // as rounded to T
   }
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t k = 0; k < kLanes; ++k) lanes[k] += h[i + k] * h[i + k];
-  }
-  for (; i < n; ++i) lanes[0] += h[i] * h[i];
-  const float rstd = 1.f / std::sqrt(sum_lanes(lanes) / static_cast<float>(n) + eps);
-  for (int64_t j = 0; j < n; ++j) t[j] = h[j] * rstd * wf[j];
+  forward_row<float, float>(h, nullptr, wf, t, nullptr, n, eps);
   cpu_rows::from_float(t, out, n);
 }
 

@@ -20,9 +20,7 @@
 #include <memory>
 #include <type_traits>
 
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
+#include "common/cpu_rows.h"
 
 namespace opb::softmax {
 
@@ -123,42 +121,28 @@ inline VecF load<BFloat16>(const BFloat16* p) {
   return (VecF)bits;
 }
 
-#if defined(__F16C__)  // implies AVX: kLanes is 8 or 16
-#define OPB_SOFTMAX_F16C 1
-#endif
-
-#ifdef OPB_SOFTMAX_F16C
-// float16 through the CPU's own conversions (F16C, 8 at a time; round to nearest even, as Half's own): the
-// generic load and store convert one element at a time in software, which made a float16 softmax 3x slower
-// than torch's.
+// float16 through common/cpu_rows.h (F16C, 8 at a time, where the build has it): the generic load and store
+// convert one element at a time in software, which made a float16 softmax 3x slower than torch's.
 template <>
 inline VecF load<Half>(const Half* p) {
   float tmp[kLanes];
-  for (int j = 0; j < kLanes; j += 8) {
-    _mm256_storeu_ps(tmp + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
-  }
+  cpu_rows::to_float(p, tmp, kLanes);
   VecF v;
   std::memcpy(&v, tmp, sizeof v);
   return v;
 }
-#endif
 
 template <typename T>
 inline void store(T* p, VecF v) {
   for (int j = 0; j < kLanes; ++j) p[j] = static_cast<T>(v[j]);
 }
 
-#ifdef OPB_SOFTMAX_F16C
 template <>
 inline void store<Half>(Half* p, VecF v) {
   float tmp[kLanes];
   std::memcpy(tmp, &v, sizeof v);
-  for (int j = 0; j < kLanes; j += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + j),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(tmp + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  cpu_rows::from_float(tmp, p, kLanes);
 }
-#endif
 
 template <>
 inline void store<float>(float* p, VecF v) {
