@@ -109,16 +109,25 @@ def _register_python_formula(qualname: str, backward: Callable[..., Any], setup_
     2.4); a torch without it gets torch.library's own registration (tests/torchop/test_cxx_autograd.py's
     forward-AD test then fails)."""
     try:
+        from torch._library import utils
         from torch._library.autograd import Info, make_autograd_impl
     except ImportError:  # pragma: no cover (every torch this project supports has it)
         torch.library.register_autograd(qualname, backward, setup_context=setup_context)
         return
     from opbuilder.torchop.once import refuse_forward_ad
 
+    op = utils.lookup_op(qualname)
+    if utils.is_out(op) or not utils.is_functional_schema(op._schema) or utils.has_kwarg_only_tensors(op._schema):
+        # A schema torch.library refuses a formula for (an out= or mutating op: the Function would not know of the
+        # mutation; a kwarg-only Tensor: make_autograd_impl passes it beside the Function, so it got no gradient):
+        # its own registration raises its own error.
+        torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+        return
+
     ns, _, name = qualname.partition("::")
     packet = name.partition(".")[0]
     label = f"{builtin or ns}.{packet}"  # e.g. "softmax.forward"
-    autograd_kernel = make_autograd_impl(torch._library.utils.lookup_op(qualname), Info(backward, setup_context))
+    autograd_kernel = make_autograd_impl(op, Info(backward, setup_context))
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if forward_ad._current_level >= 0:

@@ -301,3 +301,26 @@ def test_compiled_call_records_the_registered_op() -> None:
     torch.testing.assert_close(fn(x), torch.softmax(torch.relu(x), -1))
     targets = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any(".relu.default" in t for t in targets) and any(".forward.default" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("schema", ["kwonly(Tensor x, *, Tensor s) -> Tensor", "mutates(Tensor(a!) x) -> Tensor(a!)"],
+                         ids=["kwarg_only_tensor", "mutating"])
+def test_python_formula_refuses_what_torch_library_refuses(schema: str) -> None:
+    """register_queued's formulas are torch.library's Autograd kernel (make_autograd_impl) in a wrapper: the
+    schemas torch.library.register_autograd refuses must still be refused, not registered. A kwarg-only Tensor
+    goes beside the generated Function (it got no gradient, without a word: s.grad None); a mutating op's
+    Function does not know of the mutation (a gradient through the mutated tensor came out 12, not 22)."""
+    ns = f"opb_test_refused_{schema.partition('(')[0]}"
+    lib = torch.library.Library(ns, "DEF")
+    lib.define(schema)
+    name = schema.partition("(")[0]
+    lib.impl(name, (lambda x, *, s: x * s) if name == "kwonly" else (lambda x: x.mul_(2)), "CPU")
+    try:
+        eager.register_autograd(f"{ns}::{name}", lambda ctx, g: (g,), setup_context=lambda *a, **k: None)
+        with pytest.raises((RuntimeError, NotImplementedError), match="register_autograd|Cannot register autograd"):
+            eager.register_queued(ns)
+    finally:
+        eager._QUEUED.pop(ns, None)
+        eager._AUTOGRAD.pop(f"{ns}::{name}", None)
+        lib._destroy()
+
