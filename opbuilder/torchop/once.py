@@ -33,9 +33,18 @@ def refuse_forward_ad(op: str, *tensors: torch.Tensor | None) -> None:
     Only read where a dual level is open (the eager path's ``direct`` check is false there), not under Dynamo."""
     if torch.compiler.is_compiling() or forward_ad._current_level < 0:
         return
-    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+    if any(t is not None and _tangent(t) is not None for t in tensors):
         raise NotImplementedError(
             f"Trying to use forward AD with opbuilder's {op}, which does not support it (no forward-mode formula)")
+
+
+def _tangent(t: torch.Tensor) -> torch.Tensor | None:
+    """t's forward-AD tangent; None where functorch's vmap wraps t (``jvp`` of ``vmap``: unpack_dual has no batching
+    rule, an error that names no op): the registered op below the transform then refuses the tangent itself."""
+    try:
+        return forward_ad.unpack_dual(t).tangent
+    except RuntimeError:
+        return None
 
 
 def refuse_nested_grad(op: str) -> None:

@@ -324,3 +324,14 @@ def test_python_formula_refuses_what_torch_library_refuses(schema: str) -> None:
         eager._AUTOGRAD.pop(f"{ns}::{name}", None)
         lib._destroy()
 
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_ad_of_vmap_is_refused_naming_the_op(name: str) -> None:
+    """jvp of vmap: the functions' own refusal read the tangent of a vmap-batched tensor, where unpack_dual has no
+    batching rule ("Batching rule not implemented for aten::_unpack_dual", naming no op); the refusal leaves such
+    a tensor to the registered op, which refuses the tangent below the transform, with the op's name."""
+    fn, registered, make = _cases()[name]
+    batched = [a.unsqueeze(0).expand(2, *a.shape).contiguous() for a in make()]
+    for f in (fn, registered):
+        with pytest.raises(NotImplementedError, match="forward AD with opbuilder's"):
+            torch.func.jvp(torch.func.vmap(f), tuple(batched), tuple(torch.ones_like(a) for a in batched))
