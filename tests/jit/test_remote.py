@@ -504,6 +504,57 @@ def test_the_tier_on_another_store_outage_said_once_then_recovery(
     assert said[-1].startswith("fetched add_scale from the remote cache memory://test"), said
 
 
+
+def test_failure_record_not_signed_with_the_secret_is_not_believed(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure record is read from Redis like an entry: one that anybody with write access to the store could
+    have put there (a lease and a record naming the same holder) must not fail the waiting ranks."""
+    from opbuilder.errors import BuildError
+    from opbuilder.jit.remote.tier import Tier
+
+    store = MemoryStore()
+    secret = secrets.token_bytes(32)
+    waiter = Tier(store, secret, 1 << 30, 5.0)
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    key = "k" * 20
+    slot = cache.Slot("add_scale", key)
+    cache.ensure_dir(slot.op_dir)
+    said: list[str] = []
+    builds: list[int] = []
+
+    def build() -> Path:
+        builds.append(1)
+        return slot.path
+
+    store.leases[("add_scale", key)] = ("evil", time.monotonic() + 0.5)
+    store.failures[("add_scale", key)] = {"owner": "evil", "time": time.time(), "message": "forged failure", "log": ""}
+    assert waiter.obtain(slot, build, said.append) == slot.path  # the forged record ignored: built here
+    assert builds == [1] and cache.read_failure(slot) is None, said
+
+    # A failure recorded by a rank with the secret is still handed to the ranks waiting for it.
+    store.failures.clear()
+
+    def fails() -> Path:
+        raise BuildError("the compiler failed")
+
+    with pytest.raises(BuildError):
+        Tier(store, secret, 1 << 30, 5.0).obtain(slot, fails, said.append)
+    record = store.failures[("add_scale", key)]
+    store.leases[("add_scale", key)] = (record["owner"], time.monotonic() + 5)
+    with pytest.raises(BuildError, match="the compiler failed"):
+        waiter.obtain(slot, build, said.append)
+    # ... but not under another secret's signature.
+    store.leases[("add_scale", key)] = (record["owner"], time.monotonic() + 0.5)
+    assert Tier(store, secrets.token_bytes(32), 1 << 30, 5.0).obtain(slot, build, said.append) == slot.path
+
+
+def test_failure_record_too_deep_to_parse_is_ignored(server: RedisServer, prefix: str) -> None:
+    from opbuilder.jit.remote.redis_backend import RedisCache
+
+    store = RedisCache(server.url, prefix, 5.0)
+    server.client().set(f"{prefix}:failed:add_scale:k", "[" * 100_000 + "]" * 100_000)
+    assert store.state("add_scale", "k").failure is None
+
 # ---- faults are not fatal ------------------------------------------------------------------------
 
 MID_RUN = """

@@ -123,7 +123,7 @@ class RedisCache(RemoteCache):
         if failure is not None:
             try:
                 record = json.loads(failure)
-            except ValueError:
+            except (ValueError, RecursionError):  # damaged or hostile: nested too deep to parse
                 record = None
         return State(bool(has_entry), holder.decode("utf-8", "replace") if holder is not None else None,
                      record if isinstance(record, dict) else None)

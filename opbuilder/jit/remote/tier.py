@@ -75,6 +75,14 @@ def sign(secret: bytes, op: str, key: str, manifest: bytes, library_sha256: str,
     return hmac.new(secret, payload, hashlib.sha256).hexdigest()
 
 
+def sign_failure(secret: bytes, op: str, key: str, record: dict) -> str:
+    """The signature of a failure record: HMAC-SHA256 over the op, the key and the record's other fields (a
+    record that anyone with write access to the store could put there would fail every waiting rank)."""
+    fields = json.dumps({k: v for k, v in record.items() if k != "signature"}, sort_keys=True).encode()
+    payload = b"\0".join([_SIGNED, b"failure", op.encode(), key.encode(), fields])
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
 def _private_file(path: Path, variable: str) -> bytes:
     """The contents of a file that only this user can read, or Refused saying what is wrong with it."""
     try:
@@ -313,6 +321,10 @@ class Tier:
                 if found is not None:
                     return found
             failure = state.failure
+            if failure is not None and not hmac.compare_digest(
+                    sign_failure(self._secret, op, key, failure).encode(),
+                    str(failure.get("signature")).encode("utf-8", "replace")):
+                failure = None  # not one of ours (another secret, forged, damaged): wait on the lease alone
             if failure is not None and failure.get("owner") in holders:
                 message = str(failure.get("message"))
                 cache.record_failure(slot, message, str(failure.get("log", "")))  # this node's other ranks see it
@@ -344,6 +356,7 @@ class Tier:
                 except OSError:
                     pass
                 failure = {"owner": owner, "time": time.time(), "message": str(exc), "log": log}
+                failure["signature"] = sign_failure(self._secret, op, key, failure)
                 try:
                     self.store.put_failure(op, key, failure, FAILURE_SECONDS)
                 except RemoteUnavailable as fault:
