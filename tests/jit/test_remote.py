@@ -555,6 +555,22 @@ def test_failure_record_too_deep_to_parse_is_ignored(server: RedisServer, prefix
     server.client().set(f"{prefix}:failed:add_scale:k", "[" * 100_000 + "]" * 100_000)
     assert store.state("add_scale", "k").failure is None
 
+
+def test_entry_with_a_signature_that_is_not_ascii_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signature field of bytes that are not ASCII (damaged or forged) is refused, not a TypeError of
+    hmac.compare_digest that ends the rank."""
+    from opbuilder.jit.remote.tier import Tier
+
+    store = MemoryStore()
+    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    slot = cache.Slot("add_scale", "k" * 20)
+    cache.ensure_dir(slot.op_dir)
+    store.entries[("add_scale", slot.key)] = remote.Entry(b"{}", b"library", b"", "\ufffd" * 64)
+    said: list[str] = []
+    assert tier.obtain(slot, lambda: slot.path, said.append) == slot.path
+    assert any("refusing add_scale's entry" in line and "signature does not match" in line for line in said), said
+
 # ---- faults are not fatal ------------------------------------------------------------------------
 
 MID_RUN = """

@@ -412,7 +412,7 @@ class Tier:
             return None, f"its library has {len(entry.library)} bytes, over OPB_REMOTE_CACHE_MAX_BYTES"
         library_sha = hashlib.sha256(entry.library).hexdigest()
         expected = sign(self._secret, op, key, entry.manifest, library_sha, entry.log or b"")
-        if not hmac.compare_digest(expected, entry.signature):
+        if not hmac.compare_digest(expected.encode(), entry.signature.encode("utf-8", "replace")):  # any bytes
             return None, ("its signature does not match: the library, manifest or log changed after it was signed, "
                           "or it was signed with another secret than OPB_REMOTE_CACHE_SECRET_FILE's")
         try:
