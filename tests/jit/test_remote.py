@@ -333,6 +333,23 @@ def test_tier_refuses_to_start_without_a_private_secret(tmp_path: Path, server: 
     assert remote.describe()["why_not"] == lines[-1].split(" not used: ", 1)[1]
 
 
+@pytest.mark.parametrize("url", ["redis://:hunter2@127.0.0.1:notaport/0", "redis://:hunter2@127.0.0.1:99999/0",
+                                 "redis://:pw1/pw2@127.0.0.1:6379/0", "http://:hunter2@127.0.0.1:x/0"])
+def test_url_with_a_bad_port_is_said_without_its_password(url: str, secret: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A malformed OPB_REMOTE_CACHE (a port that is no number, a password with an unescaped "/") is one line
+    naming the variable, the tier unused, as for a wrong scheme: never a ValueError of urllib, nor a message
+    showing a piece of the password."""
+    lines: list[str] = []
+    monkeypatch.setenv("OPB_REMOTE_CACHE", url)
+    monkeypatch.setenv("OPB_REMOTE_CACHE_PREFIX", f"opbtest:{uuid.uuid4().hex[:12]}")
+    monkeypatch.setenv("OPB_REMOTE_CACHE_SECRET_FILE", str(secret))
+    assert remote.tier(lines.append) is None
+    assert len(lines) == 1 and "OPB_REMOTE_CACHE must be redis://" in lines[0], lines
+    shown = lines[0] + json.dumps(remote.describe())
+    assert not any(piece in shown for piece in ("hunter2", "pw1", "pw2")), shown
+
+
 def test_library_over_the_size_limit_is_not_shared(built_user_op: tuple[Path, Path], server: RedisServer,
                                                    secret: Path, prefix: str) -> None:
     env = _env(server, secret, prefix, OPB_REMOTE_CACHE_MAX_BYTES="1000")

@@ -13,6 +13,7 @@ manifest of one write with the library of another.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,14 +26,33 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 _FIELDS = (b"manifest", b"library", b"log", b"signature")
 
 
+def url_problem(url: str) -> str | None:
+    """What makes ``url`` unparsable as host, port and database (said without any part of it); None when nothing."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError when it is no number from 0 to 65535)
+    except ValueError:
+        return "its host or port is malformed (a password holding '/', '?', '#' or '@' must be percent-encoded)"
+    if "@" in parts.path:
+        return "its database is malformed (a password holding '/' must be percent-encoded)"
+    return None
+
+
 def where(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
+    """The URL without its password, for messages. Never raises: of a malformed URL (a password holding an
+    unescaped '/', whose pieces would be the port and the path) only the scheme and what parses safely show."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        scheme = re.match(r"[A-Za-z][A-Za-z0-9+.-]*(?=://)", url)
+        return f"{scheme.group(0) if scheme else ''}://<malformed address>"
+    if port:
+        host += f":{port}"
     user = f"{parts.username}@" if parts.username else ""
-    return f"{parts.scheme}://{user}{host}{parts.path or ''}"
+    path = parts.path if re.fullmatch(r"/?[0-9]*", parts.path) else "/<malformed database>"
+    return f"{parts.scheme}://{user}{host}{path}"
 
 
 def _glob_escape(text: str) -> str:

@@ -143,9 +143,14 @@ def _start(config: tuple) -> Tier:
     password = None
     if password_file is not None:
         password = _private_file(password_file, "OPB_REMOTE_CACHE_PASSWORD_FILE").decode("utf-8", "replace")
+    from opbuilder.jit.remote.redis_backend import RedisCache, url_problem
+
     if not url.startswith(("redis://", "rediss://")):
         raise Refused(f"OPB_REMOTE_CACHE must be redis://host:port/db or rediss://host:port/db, got {where(url)!r}")
-    from opbuilder.jit.remote.redis_backend import RedisCache
+    problem = url_problem(url)
+    if problem is not None:
+        raise Refused(f"OPB_REMOTE_CACHE must be redis://host:port/db or rediss://host:port/db, got {where(url)!r}: "
+                      f"{problem}")
 
     try:
         store = RedisCache(url, prefix, timeout, password)
