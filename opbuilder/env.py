@@ -254,6 +254,10 @@ def remote_cache_max_bytes() -> int:
     return int(raw)
 
 
+#: The longest remote cache timeout or lease (a day): what a socket timeout and a Redis expiry surely take.
+MAX_SECONDS = 86400.0
+
+
 def _seconds(name: str, default: float) -> float:
     raw = _get(name)
     if raw is None:
@@ -262,8 +266,8 @@ def _seconds(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise EnvError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise EnvError(f"{name} must be > 0 seconds, got {raw!r}")
+    if not 0 < value <= MAX_SECONDS:  # nan too; inf or 1e300: no socket timeout or lease expiry takes it
+        raise EnvError(f"{name} must be a number of seconds > 0 and at most {MAX_SECONDS:.0f}, got {raw!r}")
     return value
 
 

@@ -350,6 +350,20 @@ def test_url_with_a_bad_port_is_said_without_its_password(url: str, secret: Path
     assert not any(piece in shown for piece in ("hunter2", "pw1", "pw2")), shown
 
 
+@pytest.mark.parametrize("variable", ["OPB_REMOTE_CACHE_TIMEOUT", "OPB_REMOTE_LEASE_SECONDS"])
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "soon"])
+def test_seconds_that_no_socket_or_lease_can_take_are_an_error_naming_the_variable(
+        variable: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """inf or 1e300 seconds passed the check and then ended the load in an OverflowError of the socket
+    timeout or of the lease's milliseconds (or a lease the server refused, the tier silently unused)."""
+    from opbuilder import env
+    from opbuilder.errors import EnvError
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(EnvError, match=f"{variable} must be .* got {value!r}"):
+        env.validate()
+
+
 def test_library_over_the_size_limit_is_not_shared(built_user_op: tuple[Path, Path], server: RedisServer,
                                                    secret: Path, prefix: str) -> None:
     env = _env(server, secret, prefix, OPB_REMOTE_CACHE_MAX_BYTES="1000")
