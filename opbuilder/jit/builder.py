@@ -84,10 +84,17 @@ def _unbuildable_paths(paths: list[Path], chars: str) -> list[str]:
     writes for ninja escapes spaces in paths, but not '$' (a variable to ninja) or ':' (a rule's separator)."""
     reasons = []
     for path in paths:
+        where = "the cache root (OPB_CACHE_DIR)" if path == env.cache_root() else "the path"
+        todo = "point OPB_CACHE_DIR at another folder" if path == env.cache_root() else "move it"
+        try:  # cpp_extension writes the build file as UTF-8: bytes that are not (a Latin-1 name) cannot go there
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+            reasons.append(f"{where} '{shown}' is not valid UTF-8, which ninja's build file (written as UTF-8) "
+                           f"cannot hold; {todo} (a folder whose name is UTF-8)")
+            continue
         bad = sorted({c for c in str(path) if c in chars})
         if bad:
-            where = "the cache root (OPB_CACHE_DIR)" if path == env.cache_root() else "the path"
-            todo = "point OPB_CACHE_DIR at another folder" if path == env.cache_root() else "move it"
             reasons.append(f"{where} {str(path)!r} holds {', '.join(map(repr, bad))}, which ninja's build file "
                            f"cannot hold; {todo} (a folder without '$', ':' or a line break)")
     return reasons

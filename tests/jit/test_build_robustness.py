@@ -245,6 +245,24 @@ def test_a_path_ninja_cannot_hold_is_refused_up_front(where: str, char: str, tmp
     assert not list(cache_root.glob("odd_path/*.failed.json")), "a path is not the op's failure"
 
 
+@pytest.mark.parametrize("where", ["project", "cache"])
+def test_a_path_that_is_not_utf8_is_refused_up_front(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder named in Latin-1 (b'caf\\xe9'): cpp_extension writes the build file as UTF-8, and raised
+    UnicodeEncodeError from inside torch, naming neither the folder nor OPB_CACHE_DIR."""
+    from opbuilder.errors import IncompatibleOpError
+
+    odd = os.fsdecode(b"caf\xe9")
+    cache_root = tmp_path / (odd if where == "cache" else "cache")
+    monkeypatch.setenv("OPB_CACHE_DIR", str(cache_root))
+    root = twofile.write_op(tmp_path / (odd if where == "project" else "project"), name="latin_path")
+    with pytest.raises(IncompatibleOpError) as info:
+        twofile.builder(root).load()
+    message = str(info.value)
+    assert "caf\\xe9" in message and "is not valid UTF-8" in message, message
+    assert ("OPB_CACHE_DIR" in message) == (where == "cache"), message
+    assert not list(cache_root.glob("latin_path/*.failed.json")), "a path is not the op's failure"
+
+
 # ---- 3. a filesystem without flock fails at once ------------------------------------------------
 
 FAKE_FLOCK = r"""
