@@ -354,7 +354,7 @@ def check_build(build_dir: Path) -> tuple[Path | None, dict | None, str | None]:
         try:
             if not build_dir.exists():
                 return None, None, "not built"
-        except PermissionError as exc:
+        except OSError as exc:  # no permission to look, or a name too long for the filesystem (ENAMETOOLONG)
             raise cache_error(build_dir, exc) from exc
         return None, None, f"manifest missing or unreadable in {build_dir}"
     problem = manifest_problem(manifest)

@@ -188,3 +188,17 @@ def test_clean_between_build_and_load_is_not_a_build_error(tmp_path: Path, fresh
     op = write_user_op(tmp_path / "proj")
     result = run_python(CLEAN_AFTER_BUILD + load_snippet(op))
     assert result.returncode == 0 and "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout, result.stderr[-2000:]
+
+
+def test_cache_folder_name_too_long_is_a_cache_error(tmp_path: Path, monkeypatch) -> None:
+    """A cache root whose name the filesystem refuses (ENAMETOOLONG) is a CacheError naming OPB_CACHE_DIR on the
+    warm path, where the check for an existing build raised the bare OSError."""
+    import pytest
+
+    from opbuilder.errors import CacheError
+    from opbuilder.jit import loader
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / ("a" * 300)))
+    with pytest.raises(CacheError, match="OPB_CACHE_DIR") as info:
+        loader.load_cached("add_scale", "0" * 20)
+    assert "File name too long" in str(info.value)
