@@ -83,7 +83,14 @@ def cache_root() -> Path:
     if explicit is not None:
         return Path(os.path.abspath(Path(explicit).expanduser()))
     xdg = _get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg is not None else Path.home() / ".cache"
+    if xdg is not None:
+        base = Path(xdg).expanduser()
+    else:
+        try:
+            base = Path.home() / ".cache"
+        except (RuntimeError, KeyError):  # no HOME and no passwd entry (a container's arbitrary uid)
+            raise EnvError(f"opbuilder cannot find a cache folder: OPB_CACHE_DIR, XDG_CACHE_HOME and HOME are not set "
+                           f"and uid {os.getuid()} has no home folder; set OPB_CACHE_DIR") from None
     return Path(os.path.abspath(base / "opbuilder"))
 
 

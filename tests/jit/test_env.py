@@ -99,3 +99,19 @@ def test_check_with_a_wrong_variable_records_no_verdict(fresh_cache: Path) -> No
     assert result.returncode == 1 and "OPB_VERBOSE must be 1" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not list(fresh_cache.rglob("*.check.json")), list(fresh_cache.rglob("*"))
+
+
+def test_no_home_folder_is_an_env_error_naming_opb_cache_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container user with no passwd entry and no HOME (``docker run --user 12345`` under ``env -i``): the
+    default cache root raised pathlib's bare RuntimeError("Could not determine home directory.")."""
+    import pwd
+
+    for name in ("OPB_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(EnvError, match="set OPB_CACHE_DIR"):
+        env.cache_root()
