@@ -14,7 +14,7 @@ from opbuilder.jit import cache
 
 _LOADED: dict[tuple[str, str], Any] = {}
 
-# Descriptors of the loaded artifacts, kept open for the life of the process: the dynamic loader
+# Descriptors of the loaded artifacts (and of those whose load failed), kept open for the life of the process: the dynamic loader
 # knows each library by the name it was opened with (/proc/self/fd/N) and would hand back the old
 # library for a later dlopen of a reused N.
 _PINNED: list[int] = []
@@ -60,7 +60,10 @@ def load_artifact(op: str, key: str, artifact: Path, manifest: dict) -> Any:
         handle = _load_python_module(manifest["module_name"], via, artifact) if manifest.get("python_module") \
             else _load_torch_library(via, artifact, manifest["namespace"], op)
     except BaseException:
-        os.close(fd)
+        # Kept open too: the library may be mapped already (a module whose init raised, a namespace refused), and the
+        # dynamic loader would hand it back for a later dlopen of a reused /proc/self/fd/N (a rebuild, the JIT build
+        # after a prebuilt one failed) instead of loading that file.
+        _PINNED.append(fd)
         raise
     _PINNED.append(fd)
     _LOADED[(op, key)] = handle

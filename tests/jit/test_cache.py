@@ -202,3 +202,40 @@ def test_cache_folder_name_too_long_is_a_cache_error(tmp_path: Path, monkeypatch
     with pytest.raises(CacheError, match="OPB_CACHE_DIR") as info:
         loader.load_cached("add_scale", "0" * 20)
     assert "File name too long" in str(info.value)
+
+
+LOAD_AFTER_FAILED_INIT = r"""
+import sys
+from pathlib import Path
+from opbuilder.jit import cache, loader
+here = Path(sys.argv[1] if len(sys.argv) > 1 else {folder!r})
+def manifest(name):
+    return {{"python_module": True, "module_name": name, **cache.describe_artifact(here / f"{{name}}.so")}}
+try:
+    loader.load_artifact("bad", "k1", here / "bad.so", manifest("bad"))
+except ImportError as exc:
+    print("BAD", exc)
+print("GOOD", loader.load_artifact("good", "k2", here / "good.so", manifest("good")).VALUE)
+"""
+
+
+def test_a_library_after_one_whose_init_failed_is_loaded_itself(tmp_path: Path) -> None:
+    """A module whose init raised stays mapped under the name /proc/self/fd/N; with N closed and reused, the next
+    library loaded (a rebuild, the JIT build after a prebuilt one failed) was never loaded: the dynamic loader
+    handed back the failed one ("dynamic module does not define module export function (PyInit_good)")."""
+    import sysconfig
+
+    (tmp_path / "bad.c").write_text(
+        "#include <Python.h>\n"
+        'PyMODINIT_FUNC PyInit_bad(void) { PyErr_SetString(PyExc_ImportError, "init failed on purpose"); return NULL; }\n')
+    (tmp_path / "good.c").write_text(
+        "#include <Python.h>\n"
+        'static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "good", NULL, -1, NULL};\n'
+        "PyMODINIT_FUNC PyInit_good(void) {\n"
+        "  PyObject* m = PyModule_Create(&def); PyModule_AddIntConstant(m, \"VALUE\", 42); return m;\n}\n")
+    for name in ("bad", "good"):
+        subprocess.run(["cc", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", f"{name}.c", "-o", f"{name}.so"],
+                       cwd=tmp_path, check=True)
+    result = run_python(LOAD_AFTER_FAILED_INIT.format(folder=str(tmp_path)))
+    assert "BAD init failed on purpose" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert "GOOD 42" in result.stdout, result.stderr[-2000:]
