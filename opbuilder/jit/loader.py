@@ -14,9 +14,9 @@ from opbuilder.jit import cache
 
 _LOADED: dict[tuple[str, str], Any] = {}
 
-# Descriptors of the loaded artifacts (and of those whose load failed), kept open for the life of the process: the dynamic loader
-# knows each library by the name it was opened with (/proc/self/fd/N) and would hand back the old
-# library for a later dlopen of a reused N.
+# Descriptors of the loaded artifacts (and of those whose load failed), kept open for the life of the
+# process: the dynamic loader knows each library by the name it was opened with (/proc/self/fd/N) and
+# would hand back the old library for a later dlopen of a reused N.
 _PINNED: list[int] = []
 
 
