@@ -104,7 +104,13 @@ class FileLock:
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)  # closing the last descriptor releases the flock
+            # Unlocked before the close: the flock belongs to the open file, which a process forked meanwhile
+            # (a worker forked by another thread, no exec) shares; closing this copy alone would leave it held.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass  # the close below still ends this copy's hold
+            os.close(fd)
 
     @property
     def is_locked(self) -> bool:

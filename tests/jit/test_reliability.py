@@ -201,3 +201,30 @@ def test_torch_upgrade_gives_a_classic_op_a_new_key_and_both_builds_coexist(tmp_
     assert "99.0.0" in versions and len(versions) == 2
     again = built.load(op)
     assert built.builds(again) == 0, "the original build is still there and still used"
+
+
+def test_a_released_lock_is_free_though_a_forked_child_holds_its_descriptor(tmp_path: Path) -> None:
+    """A process forked while a build held its key's lock (a DataLoader worker forked by another thread, no exec)
+    keeps a copy of the lock's descriptor: the flock belongs to the open file, so closing the builder's copy left
+    the key locked for the child's life, and every other rank waiting on it until OPB_LOCK_TIMEOUT. Release
+    unlocks the file itself."""
+    from opbuilder.jit.locks import FileLock, Timeout
+
+    path = tmp_path / "key.lock"
+    held = FileLock(path, mode=0o600)
+    held.acquire()
+    child = os.fork()
+    if child == 0:  # the forked worker: holds its copies until killed
+        time.sleep(60)
+        os._exit(0)
+    try:
+        held.release()
+        other = FileLock(path, mode=0o600)  # another open file: conflicts as another rank's would
+        try:
+            other.acquire(timeout=2)
+        except Timeout:
+            pytest.fail("the lock stayed held by the forked child's copy of the released descriptor")
+        other.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
