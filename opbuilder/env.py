@@ -83,7 +83,7 @@ def cache_root() -> Path:
     if explicit is not None:
         return Path(os.path.abspath(Path(explicit).expanduser()))
     xdg = _get("XDG_CACHE_HOME")
-    if xdg is not None:
+    if xdg is not None and Path(xdg).expanduser().is_absolute():  # a relative one is invalid: ignored (XDG spec)
         base = Path(xdg).expanduser()
     else:
         try:

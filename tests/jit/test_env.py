@@ -115,3 +115,15 @@ def test_no_home_folder_is_an_env_error_naming_opb_cache_dir(monkeypatch: pytest
     monkeypatch.setattr(pwd, "getpwuid", no_entry)
     with pytest.raises(EnvError, match="set OPB_CACHE_DIR"):
         env.cache_root()
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The XDG base directory spec: a relative XDG_CACHE_HOME is invalid and is ignored. It was taken from the
+    working folder, so ranks started in different folders each built into a cache of their own there."""
+    monkeypatch.delenv("OPB_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.chdir(tmp_path)
+    assert env.cache_root() == tmp_path / "home" / ".cache" / "opbuilder"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert env.cache_root() == tmp_path / "xdg" / "opbuilder"
