@@ -15,7 +15,7 @@ from opbuilder.errors import EnvError
 
 #: Variables opbuilder reads, with what they do; the README's table is generated from the same facts.
 VARIABLES: dict[str, str] = {
-    "OPB_CACHE_DIR": "Root of the JIT cache (default: $XDG_CACHE_HOME/opbuilder, else ~/.cache/opbuilder).",
+    "OPB_CACHE_DIR": "Root of the JIT cache (default: $XDG_CACHE_HOME/opbuilder where that is an absolute path, else ~/.cache/opbuilder).",
     "OPB_LOCK_TIMEOUT": "Seconds to wait for another process's build of the same op before failing (default 600).",
     "OPB_VERBOSE": "1 shows the compiler's output while building.",
     "OPB_MAX_JOBS": "Parallel compile jobs inside one build (default: the cores, shared among the builds running at once).",
@@ -43,8 +43,8 @@ VARIABLES: dict[str, str] = {
     "OPB_REMOTE_CACHE_PASSWORD_FILE": "File (readable by you alone) holding the Redis password, instead of one in the URL.",
     "OPB_REMOTE_CACHE_PREFIX": "Prefix of opbuilder's keys in Redis (default opbuilder:<user>); ranks share builds under one prefix.",
     "OPB_REMOTE_CACHE_MAX_BYTES": "Largest library shared through the remote tier, in bytes (default 268435456, 256 MiB).",
-    "OPB_REMOTE_CACHE_TIMEOUT": "Seconds one remote cache request may take before the tier is skipped with a warning (default 5).",
-    "OPB_REMOTE_LEASE_SECONDS": "Life of a remote build lease, renewed while the build runs: how soon another rank takes over a dead builder's build (default 30).",
+    "OPB_REMOTE_CACHE_TIMEOUT": "Seconds one remote cache request may take before the tier is skipped with a warning (default 5; at most 86400).",
+    "OPB_REMOTE_LEASE_SECONDS": "Life of a remote build lease, renewed while the build runs: how soon another rank takes over a dead builder's build (default 30; at most 86400).",
 }
 
 #: The variables through which the compilers find headers that no flag names.
