@@ -442,7 +442,9 @@ class MemoryStore(remote.RemoteCache):
     def size(self, op: str, key: str) -> int | None:
         self._up()
         entry = self.entries.get((op, key))
-        return len(entry.library) if entry is not None and entry.library else None
+        if entry is None or not entry.library:
+            return None
+        return sum(len(v) for v in (entry.manifest, entry.library, entry.log, entry.signature) if v is not None)
 
     def get(self, op: str, key: str) -> remote.Entry | None:
         self._up()
@@ -601,6 +603,31 @@ def test_entry_with_a_signature_that_is_not_ascii_is_refused(tmp_path: Path, mon
     said: list[str] = []
     assert tier.obtain(slot, lambda: slot.path, said.append) == slot.path
     assert any("refusing add_scale's entry" in line and "signature does not match" in line for line in said), said
+
+
+def test_entry_with_a_huge_log_or_manifest_is_refused_before_its_download(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: RedisServer, prefix: str) -> None:
+    """Only the library's size was asked before the download: an entry with a library of 7 bytes and a log or
+    manifest of hundreds of MiB (damaged or hostile) was downloaded whole, into every waiting rank's memory,
+    before its signature refused it. The size asked first is the whole entry's, against the library's limit
+    plus what a log and a manifest of ours can take."""
+    from opbuilder.jit.remote.redis_backend import RedisCache
+    from opbuilder.jit.remote.tier import MAX_LOG, Tier
+
+    store = RedisCache(server.url, prefix, 5.0)
+    downloads: list[str] = []
+    real_get = store.get
+    monkeypatch.setattr(store, "get", lambda op, key: downloads.append(op) or real_get(op, key))
+    tier = Tier(store, secrets.token_bytes(32), 1000, 5.0)
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    slot = cache.Slot("add_scale", "k" * 20)
+    cache.ensure_dir(slot.op_dir)
+    for manifest, log in ((b"{}", b"x" * (4 * MAX_LOG)), (b"{" + b" " * (4 * MAX_LOG) + b"}", b"")):
+        store.put("add_scale", slot.key, remote.Entry(manifest, b"library", log, "0" * 64))
+        said: list[str] = []
+        assert tier.obtain(slot, lambda: slot.path, said.append) == slot.path
+        assert any("refusing add_scale's entry" in line and "OPB_REMOTE_CACHE_MAX_BYTES" in line for line in said), said
+    assert downloads == [], downloads
 
 # ---- faults are not fatal ------------------------------------------------------------------------
 

@@ -55,7 +55,8 @@ class RemoteCache(ABC):
 
     @abstractmethod
     def size(self, op: str, key: str) -> int | None:
-        """Bytes of the stored library of (op, key), or None when there is no entry."""
+        """Bytes of the stored entry of (op, key), every field together (what ``get`` would download), or None
+        when it has no library."""
 
     @abstractmethod
     def get(self, op: str, key: str) -> Entry | None:

@@ -107,8 +107,14 @@ class RedisCache(RemoteCache):
         self._call("ping", self._client.ping)
 
     def size(self, op: str, key: str) -> int | None:
-        n = self._call("size", self._client.hstrlen, self._name("build", op, key), "library")
-        return int(n) or None
+        def read() -> list:
+            pipe = self._client.pipeline(transaction=True)
+            for field in _FIELDS:
+                pipe.hstrlen(self._name("build", op, key), field)
+            return pipe.execute()
+
+        sizes = [int(n) for n in self._call("size", read)]
+        return sum(sizes) if sizes[_FIELDS.index(b"library")] else None
 
     def get(self, op: str, key: str) -> Entry | None:
         values = self._call("download", self._client.hmget, self._name("build", op, key), list(_FIELDS))

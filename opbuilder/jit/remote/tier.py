@@ -49,6 +49,8 @@ FAILURE_SECONDS = 3600.0
 POLL = 0.1
 #: The most of a build log stored beside an artifact (its tail).
 MAX_LOG = 1 << 20
+#: What an entry of ours holds beside its library: the log (at most MAX_LOG), the manifest and the signature.
+MAX_BESIDE = MAX_LOG + (1 << 20)
 MIN_SECRET = 16
 _SIGNED = b"opbuilder-remote-v1"
 
@@ -385,9 +387,9 @@ class Tier:
         size = self.store.size(op, key)
         if size is None:
             return None
-        if size > self._max_bytes:
-            self._refuse(op, key, f"its library has {size} bytes, over OPB_REMOTE_CACHE_MAX_BYTES "
-                                  f"({self._max_bytes})", say)
+        if size > self._max_bytes + MAX_BESIDE:  # asked before the download: a huge log or manifest stays there
+            self._refuse(op, key, f"it has {size} bytes, over OPB_REMOTE_CACHE_MAX_BYTES ({self._max_bytes}) for "
+                                  f"its library and {MAX_BESIDE} for the rest", say)
             return "refused"
         entry = self.store.get(op, key)
         if entry is None:  # removed or evicted since
