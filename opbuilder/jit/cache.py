@@ -305,6 +305,22 @@ def _sha256_fd(fd: int) -> str:
     return h.hexdigest()
 
 
+#: The most a cache record (a manifest, a failure record, discovered.json) is read to: far more than ours take.
+MAX_RECORD_BYTES = 16 << 20
+
+
+def read_record(path: Path) -> str:
+    """The text of a small cache record, opened without following a link or waiting on a FIFO (a shared cache's
+    files are read before the trust checks would refuse them). Raises OSError when it is not a regular file
+    of at most MAX_RECORD_BYTES, PermissionError when this user may not read it, ValueError when not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+            raise OSError(errno.EINVAL, "not a regular file of a record's size", str(path))
+        return fh.read(MAX_RECORD_BYTES + 1).decode("utf-8")
+
+
 def read_manifest(build_dir: Path) -> dict | None:
     """The manifest of ``build_dir`` as a dict, or None when it is missing or not JSON.
 
@@ -312,7 +328,7 @@ def read_manifest(build_dir: Path) -> dict | None:
     """
     path = build_dir / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_record(path))
     except PermissionError as exc:
         raise cache_error(path, exc) from exc
     except (OSError, ValueError):
@@ -458,7 +474,7 @@ def read_failure(slot: Slot) -> dict | None:
     """The failure record of ``slot``, or None. Its ``time`` is a finite float or None (a record
     written by hand or damaged), its ``message`` a string."""
     try:
-        record = json.loads(slot.failure_path.read_text())
+        record = json.loads(read_record(slot.failure_path))
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict):

@@ -241,10 +241,10 @@ def discovered_files(op: str) -> list[str]:
     Kept in ``<cache root>/<op>/discovered.json`` by ``opbuilder.jit.compile``; one small read, or none.
     """
     from opbuilder import paths
+    from opbuilder.jit import cache
 
     try:
-        with open(paths.discovered(op), encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = json.loads(cache.read_record(paths.discovered(op)))
     except (OSError, ValueError):
         return []
     files = data.get("files") if isinstance(data, dict) else None

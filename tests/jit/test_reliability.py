@@ -3,6 +3,7 @@ caches, upgrades."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -228,3 +229,34 @@ def test_a_released_lock_is_free_though_a_forked_child_holds_its_descriptor(tmp_
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_a_fifo_in_place_of_a_cache_record_is_not_waited_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest, the failure record and discovered.json were opened as they came: a FIFO planted there (a
+    shared cache another user can write to, before the trust checks that would refuse it) hung every rank in
+    open(). They are read only as regular files of a bounded size, opened without blocking."""
+    import threading
+
+    from opbuilder import paths
+    from opbuilder.jit import cache, fingerprint
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    slot = cache.Slot("add_scale", "k" * 20)
+    cache.ensure_dir(slot.path)
+    fifos = [slot.path / paths.MANIFEST, slot.failure_path, paths.discovered("add_scale")]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    results: list[object] = []
+    reader = threading.Thread(target=lambda: results.extend([
+        cache.read_manifest(slot.path), cache.read_failure(slot), fingerprint.discovered_files("add_scale")]),
+        daemon=True)
+    reader.start()
+    reader.join(10)
+    try:
+        assert not reader.is_alive(), "a read of a FIFO in the cache blocked"
+        assert results == [None, None, []], results
+    finally:
+        for fifo in fifos:  # a writer's open and close let a blocked reader go
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
