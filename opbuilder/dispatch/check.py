@@ -157,6 +157,17 @@ def _run(definition: definitions.Definition, impl: Implementation, w: definition
         row.status, row.message = "MUTATES_INPUT", written
 
 
+def _device(op: str, device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device of type cpu or cuda; a ValueError naming --device otherwise."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: --device must be cpu or cuda, got {str(device)!r}")
+    return parsed
+
+
 def check(op: str, device: str | torch.device = "cpu", names: list[str] | None = None,
           timeout_s: float = CALL_TIMEOUT_S) -> list[Row]:
     """One row per implementation and workload (the definition's for this device, then the edge shapes).
@@ -164,9 +175,7 @@ def check(op: str, device: str | torch.device = "cpu", names: list[str] | None =
     Each implementation runs in a child process, each call within ``timeout_s`` seconds (the module's
     docstring says how, and when it cannot)."""
     env.validate()  # a variable to fix is an error before any verdict (a child's load would record it as one)
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{op}: device must be cpu or cuda, got {device.type!r}")
+    device = _device(op, device)
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"{op}: --timeout (the seconds a call may take) must be a finite number > 0, got {timeout_s!r}")
     definition = definitions.get(op)
@@ -397,7 +406,7 @@ def tune(op: str, device: str | torch.device = "cpu", budget_ms: float = 200.0,
     """``check``, then the median time of each implementation that passed, on each workload."""
     from opbuilder.dispatch.timing import CpuTimer, CudaTimer
 
-    device = torch.device(device)
+    device = _device(op, device)
     rows = check(op, device, timeout_s=timeout_s)
     timer = CpuTimer(budget_ms=budget_ms, warmup_ms=budget_ms / 5) if device.type == "cpu" else \
         CudaTimer(device, budget_ms=budget_ms, warmup_ms=budget_ms / 5)

@@ -91,6 +91,15 @@ def test_usage_errors(cache_root: Path, capsys: pytest.CaptureFixture) -> None:
     assert "lower_snake_case" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["check", "tune"])
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "meta"])
+def test_check_and_tune_name_a_bad_device(cache_root: Path, capsys: pytest.CaptureFixture, command: str,
+                                           device: str) -> None:
+    assert cli.main([command, "relu", "--device", device]) == 1
+    err = capsys.readouterr().err
+    assert f"--device must be cpu or cuda, got {device!r}" in err and "Traceback" not in err
+
+
 # ---- report, build, warm load, clean (in this order, one cache) ---------------------------------
 
 
