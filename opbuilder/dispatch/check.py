@@ -407,6 +407,9 @@ def tune(op: str, device: str | torch.device = "cpu", budget_ms: float = 200.0,
     from opbuilder.dispatch.timing import CpuTimer, CudaTimer
 
     device = _device(op, device)
+    if not (isinstance(budget_ms, (int, float)) and math.isfinite(budget_ms) and budget_ms > 0):
+        raise ValueError(f"{op}: --budget-ms (the time budget per implementation and workload) must be a finite "
+                         f"number > 0, got {budget_ms!r}")
     rows = check(op, device, timeout_s=timeout_s)
     timer = CpuTimer(budget_ms=budget_ms, warmup_ms=budget_ms / 5) if device.type == "cpu" else \
         CudaTimer(device, budget_ms=budget_ms, warmup_ms=budget_ms / 5)

@@ -100,6 +100,17 @@ def test_check_and_tune_name_a_bad_device(cache_root: Path, capsys: pytest.Captu
     assert f"--device must be cpu or cuda, got {device!r}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("budget", ["nan", "inf", "-5", "0"])
+def test_tune_names_a_bad_budget_before_checking(cache_root: Path, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch, budget: str) -> None:
+    from opbuilder.dispatch import check
+
+    monkeypatch.setattr(check, "check", lambda *a, **k: pytest.fail("checked before the budget was looked at"))
+    assert cli.main(["tune", "relu", "--budget-ms", budget]) == 1
+    err = capsys.readouterr().err
+    assert f"--budget-ms (the time budget per implementation and workload) must be a finite number > 0, got {float(budget)!r}" in err
+
+
 # ---- report, build, warm load, clean (in this order, one cache) ---------------------------------
 
 
