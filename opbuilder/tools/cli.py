@@ -283,12 +283,17 @@ def _builders(names: list[str]) -> list:
     import importlib
 
     from opbuilder.jit import registry
+    from opbuilder.jit.builder import OpBuilder
 
     builders = []
     for name in names or registry.names():
         if ":" in name:
             module, _, cls = name.partition(":")
-            builders.append(getattr(importlib.import_module(module), cls)())
+            found = getattr(importlib.import_module(module), cls, None)
+            if not (isinstance(found, type) and issubclass(found, OpBuilder)):
+                raise ValueError(f"{name}: expected module:Class naming an OpBuilder subclass, got "
+                                 f"{'nothing' if found is None else repr(found)} as {cls!r} in {module}")
+            builders.append(found())
         else:
             builders.append(registry.get_builder(name))
     return builders
@@ -308,7 +313,11 @@ def _compile_commands(args: argparse.Namespace) -> int:
         if skipped and any(p.suffix == ".cu" for p in builder.all_sources()):
             _err(f"{builder.name}: CUDA files not listed: {skipped} (--cuda-arch LIST lists them, compiled for LIST)")
         entries += compile.compile_commands(builder.build_spec())
-    args.output.write_text(json.dumps(entries, indent=1) + "\n")
+    try:
+        args.output.write_text(json.dumps(entries, indent=1) + "\n")
+    except OSError as exc:
+        _err(f"opbuilder compile-commands: --output {args.output}: cannot write it ({exc.strerror or exc})")
+        return 1
     print(f"wrote {args.output} ({len(entries)} files)")
     return 0
 

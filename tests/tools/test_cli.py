@@ -111,6 +111,22 @@ def test_tune_names_a_bad_budget_before_checking(cache_root: Path, capsys: pytes
     assert f"--budget-ms (the time budget per implementation and workload) must be a finite number > 0, got {float(budget)!r}" in err
 
 
+@pytest.mark.parametrize("command", ["compile-commands", "compile-check"])
+@pytest.mark.parametrize(("spec", "got"), [("os:NoSuchThing", "got nothing as 'NoSuchThing' in os"),
+                                          ("os:path", "got <module"), ("os:getcwd", "got <built-in function")])
+def test_compile_commands_names_a_builder_that_is_not_one(command: str, spec: str, got: str,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    assert cli.main([command, spec]) == 1
+    err = capsys.readouterr().err
+    assert f"{spec}: expected module:Class naming an OpBuilder subclass, {got}" in err
+
+
+def test_compile_commands_names_an_output_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "no such folder" / "compile_commands.json"
+    assert cli.main(["compile-commands", "relu", "-o", str(out)]) == 1
+    assert f"--output {out}: cannot write it (No such file or directory)" in capsys.readouterr().err
+
+
 # ---- report, build, warm load, clean (in this order, one cache) ---------------------------------
 
 
