@@ -77,6 +77,15 @@ def _flag(name: str, default: bool = False) -> bool:
     raise EnvError(f"{name} must be 1 (or true, yes, on) or 0 (or false, no, off), got {raw!r}")
 
 
+def _whole(raw: str) -> int | None:
+    """``raw`` as a whole number (ASCII digits alone: str.isdigit() also takes '²', which int() refuses), None when it
+    is not one. No int() of any length (Python refuses more than 4300 digits): one past 2**63 counts as 2**63."""
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    digits = raw.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 19 else 1 << 63
+
+
 def cache_root() -> Path:
     # Absolute (from the working folder) when given relative: builds run in folders of their own.
     explicit = _get("OPB_CACHE_DIR")
@@ -119,10 +128,10 @@ def max_jobs() -> int | None:
     raw = _get("OPB_MAX_JOBS")
     if raw is None:
         return None
-    # ASCII digits only: str.isdigit() also accepts '²' and other digits int() refuses.
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_JOBS_LIMIT:
+    value = _whole(raw)
+    if value is None or not 1 <= value <= MAX_JOBS_LIMIT:
         raise EnvError(f"OPB_MAX_JOBS must be a whole number from 1 to {MAX_JOBS_LIMIT}, got {raw!r}")
-    return int(raw)
+    return value
 
 
 def cpu_arch() -> str | None:
@@ -205,9 +214,10 @@ def compile_inline_below() -> int:
     raw = _get("OPB_COMPILE_INLINE_BELOW")
     if raw is None:
         return COMPILE_INLINE_BELOW
-    if not (raw.isascii() and raw.isdigit()):
+    value = _whole(raw)
+    if value is None:
         raise EnvError(f"OPB_COMPILE_INLINE_BELOW must be a whole number of elements >= 0, got {raw!r}")
-    return int(raw)
+    return value
 
 
 def build_all_ops() -> bool:
@@ -256,9 +266,10 @@ def remote_cache_max_bytes() -> int:
     raw = _get("OPB_REMOTE_CACHE_MAX_BYTES")
     if raw is None:
         return 256 << 20
-    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+    value = _whole(raw)
+    if value is None or value < 1:
         raise EnvError(f"OPB_REMOTE_CACHE_MAX_BYTES must be a positive number of bytes, got {raw!r}")
-    return int(raw)
+    return value
 
 
 #: The longest remote cache timeout or lease (a day): what a socket timeout and a Redis expiry surely take.

@@ -40,6 +40,23 @@ def test_a_whole_number_of_any_length_and_digits_of_another_script(monkeypatch: 
         env.remote_cache_max_bytes()
 
 
+def test_whole_number_variables_of_more_digits_than_int_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's int() refuses more than 4300 digits with a ValueError that names no variable."""
+    for name, read in (("OPB_MAX_JOBS", env.max_jobs), ("OPB_REMOTE_CACHE_MAX_BYTES", env.remote_cache_max_bytes)):
+        monkeypatch.setenv(name, "9" * 5000)
+        if name == "OPB_MAX_JOBS":
+            with pytest.raises(EnvError, match="OPB_MAX_JOBS must be a whole number from 1 to 4096, got '9999"):
+                read()
+        else:
+            assert read() == 1 << 63
+    monkeypatch.setenv("OPB_MAX_JOBS", "0" * 5000 + "8")
+    assert env.max_jobs() == 8
+    monkeypatch.setenv("OPB_COMPILE_INLINE_BELOW", "9" * 5000)
+    assert env.compile_inline_below() == 1 << 63
+    monkeypatch.setenv("OPB_COMPILE_INLINE_BELOW", "0" * 5000)
+    assert env.compile_inline_below() == 0
+
+
 def test_commands_that_build_nothing_run_whatever_the_variables(fresh_cache: Path) -> None:
     odd = {**os.environ, "OPB_VERBOSE": "loud", "OPB_BUILD_DIR": "/somewhere"}
     result = run_module("opbuilder", "clean", env=odd)
