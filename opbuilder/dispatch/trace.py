@@ -93,12 +93,19 @@ def _read_dated(op: str, trace_key: str, kind: str) -> tuple[dict[str, Any] | No
     where = path(op, trace_key, kind)
     try:
         # not blocking: a FIFO planted there must not hang the op's first call (it is refused below)
-        fh = open(os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except PermissionError as exc:  # there, but not this user's to read (a shared cache made before traces were shared)
         with contextlib.suppress(OSError):
             _ignore(where, os.stat(where), f"this user cannot read it ({exc.strerror}; its owner can chmod g+r it)")
         return None, 0
     except OSError:  # none (the usual case): as if none
+        return None, 0
+    try:
+        fh = open(fd)
+    except OSError as exc:  # a folder there (open() refuses it, and leaves the descriptor open)
+        with contextlib.suppress(OSError):
+            _ignore(where, os.fstat(fd), f"it is not a regular file ({exc.strerror})")
+        os.close(fd)
         return None, 0
     with fh:
         st = os.fstat(fh.fileno())

@@ -247,6 +247,21 @@ def test_builtin_relu_with_a_trace_of_the_wrong_shape(fresh_cache, monkeypatch: 
         dispatch.reset("relu")
 
 
+def test_a_folder_where_a_trace_goes_is_ignored_and_keeps_no_descriptor_open(fresh_cache) -> None:
+    """open() of a folder's descriptor raises and leaves it open: every read leaked one."""
+    op = "relu"
+    k = trace.key(check.keys(op))
+    trace.path(op, k).mkdir(parents=True)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(20):
+            assert trace.read(op, k) is None
+            assert trace.records(op, k) == (None, [])
+    assert len(os.listdir("/proc/self/fd")) == fds
+    ours = [str(w.message) for w in caught if str(trace.path(op, k)) in str(w.message)]
+    assert len(ours) == 1 and "not a regular file" in ours[0], [str(w.message) for w in caught]
+
+
 def test_apply_with_a_keyword_argument_once_a_trace_exists() -> None:
     op = _variant("twice_plus_one_keyword", {"v": dispatch_userop.reference, "w": lambda x: 2 * x + 1})
     rows = [replace(r, us=1.0 if r.implementation == "w" else 9.0) for r in check.check(op)]
