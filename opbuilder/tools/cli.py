@@ -466,6 +466,9 @@ def _new(args: argparse.Namespace) -> int:
     except (ValueError, FileExistsError) as exc:
         _err(str(exc))
         return USAGE_ERROR
+    except OSError as exc:  # --dir not writable, a full disk
+        _err(str(exc))
+        return 1
     root = Path(args.dir) / args.name
     print(f"wrote {root}/ ({'CPU and CUDA' if args.cuda else 'CPU'}, {args.abi} ABI):")
     for path in written:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import keyword
 import re
+import shutil
 from pathlib import Path
 
 from opbuilder.paths import TEMPLATE_DIR
@@ -103,17 +104,28 @@ def create(name: str, directory: Path, cuda: bool, abi: str = ABIS[0]) -> list[P
     """Write the skeleton of op ``name`` into ``directory/name/`` and return the files written.
     ``abi``: ``"stable"`` (the LibTorch stable ABI) or ``"classic"`` (``torch/library.h`` and ATen).
 
-    Raises ValueError for a bad name or ABI, FileExistsError when ``directory/name`` exists.
+    Raises ValueError for a bad name or ABI, FileExistsError when ``directory/name`` exists, OSError naming
+    the folder when it cannot be written (then nothing of the skeleton is left behind).
     """
     check_name(name)
     check_abi(abi)
     root = Path(directory) / name
     if root.exists():
         raise FileExistsError(f"opbuilder new: {root} already exists; pick another NAME or --dir")
+    try:
+        root.mkdir(parents=True)  # ours from here: removed whole if a file cannot be written
+    except FileExistsError:
+        raise FileExistsError(f"opbuilder new: {root} already exists; pick another NAME or --dir") from None
+    except OSError as exc:
+        raise OSError(f"opbuilder new: cannot make {root} (--dir {directory}): {exc.strerror or exc}") from None
     written = []
-    for template, rel in plan(name, cuda, abi):
-        target = root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(render(template.read_text(), name, cuda, abi))
-        written.append(target)
+    try:
+        for template, rel in plan(name, cuda, abi):
+            target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(render(template.read_text(), name, cuda, abi))
+            written.append(target)
+    except OSError as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        raise OSError(f"opbuilder new: cannot write {root}: {exc.strerror or exc}; nothing was left there") from None
     return written

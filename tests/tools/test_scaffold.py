@@ -151,6 +151,31 @@ def test_new_refuses_bad_names_abis_and_existing_folders(tmp_path: Path) -> None
     assert _new(tmp_path, "other_op", "--abi", "pybind").returncode == 2
 
 
+def test_new_into_a_folder_it_cannot_write_names_it_and_leaves_nothing(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    from opbuilder.tools import cli
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert cli.main(["new", "ok_op", "--dir", str(a_file)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot make {a_file / 'ok_op'} (--dir {a_file})" in err and "Traceback" not in err
+
+    real, calls = Path.write_text, []
+
+    def full_disk(self: Path, *args: object, **kwargs: object) -> int:
+        calls.append(self)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert cli.main(["new", "ok_op", "--dir", str(tmp_path)]) == 1
+    assert "No space left on device; nothing was left there" in capsys.readouterr().err
+    assert not (tmp_path / "ok_op").exists()
+
+
 def test_render_keeps_the_sections_of_the_abi_and_cuda_asked_for() -> None:
     text = "a\n//@stable\nb\n//@cuda\nc\n//@end\n//@end\n//@classic\nd\n//@end\n#@cuda\ne\n#@end\nf {{name}}\n"
     assert scaffold.render(text, "op", cuda=False, abi="stable") == "a\nb\nf op\n"
