@@ -127,6 +127,23 @@ def test_compile_commands_names_an_output_it_cannot_write(tmp_path: Path, capsys
     assert f"--output {out}: cannot write it (No such file or directory)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["abs", "..", "../outside", "relu/../.."])
+def test_clean_takes_op_names_not_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture, where: str) -> None:
+    """root / "/abs" is "/abs": a path removed the key-named folders of any folder, then crashed in a glob."""
+    outside = tmp_path / "outside"
+    build = outside / ("0123456789abcdef" * 2)[:20]
+    build.mkdir(parents=True)
+    (build / "data").write_text("not the cache's")
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    op = str(outside) if where == "abs" else where
+    assert cli.main(["clean", op]) == 2
+    assert f"OP must be an op's name (letters, digits and '_', as in the cache's folders), got {op!r}" in \
+        capsys.readouterr().err
+    assert (build / "data").read_text() == "not the cache's" and os.listdir(outside) == [build.name]
+
+
 # ---- report, build, warm load, clean (in this order, one cache) ---------------------------------
 
 
