@@ -117,7 +117,15 @@ def compilers() -> Path:
 
 
 def traces(op: str) -> Path:
+    check_op_name(op)
     return root() / "traces" / op
+
+
+def check_op_name(op: str) -> None:
+    """Raises ValueError unless ``op`` names one folder (its traces' folder): "../x" or "/x" would be outside the cache."""
+    if not isinstance(op, str) or op in ("", ".", "..") or op.startswith(".") or any(c in op for c in "/\\\0"):
+        raise ValueError(f"an op's name must be one folder's name (not empty, no '/', '\\' or NUL, not starting "
+                         f"with '.'), got {op!r}")
 
 
 def trace(op: str, key: str, kind: str = "tune") -> Path:

@@ -135,6 +135,9 @@ _DEFINITIONS: dict[str, Definition] = {}
 
 def register(definition: Definition) -> Definition:
     """Make ``definition`` known by its name (a user's op; the built-in ones are known already)."""
+    from opbuilder import paths
+
+    paths.check_op_name(definition.name)  # its traces' folder, under the cache
     _DEFINITIONS[definition.name] = definition
     return definition
 

@@ -310,6 +310,10 @@ def apply(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     replaced by the built-in one (``opbuilder.ops``), which dispatches itself and falls back to the same
     reference."""
 
+    from opbuilder import paths
+
+    paths.check_op_name(op)  # its traces' folder, under the cache
+
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         if op in BUILDERS:
             from opbuilder.dispatch.implementations import public_function

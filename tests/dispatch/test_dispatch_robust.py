@@ -10,6 +10,7 @@ test uses an op name of its own, so the traces of two tests never meet.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -260,6 +261,20 @@ def test_a_folder_where_a_trace_goes_is_ignored_and_keeps_no_descriptor_open(fre
     assert len(os.listdir("/proc/self/fd")) == fds
     ours = [str(w.message) for w in caught if str(trace.path(op, k)) in str(w.message)]
     assert len(ours) == 1 and "not a regular file" in ours[0], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name", ["../../escape", "/tmp/escape", "a/b", "..", "", ".hidden"])
+def test_an_op_name_that_is_not_one_folder_is_refused(fresh_cache, name: str) -> None:
+    """A user op's name is its traces' folder: "../../x" read and wrote traces outside the cache."""
+    from opbuilder.dispatch import definitions
+
+    with pytest.raises(ValueError, match=r"an op's name must be one folder's name .*got " + re.escape(repr(name))):
+        dispatch.apply(name)
+    with pytest.raises(ValueError, match="an op's name must be one folder's name"):
+        definitions.register(replace(definitions.get("relu"), name=name))
+    with pytest.raises(ValueError, match="an op's name must be one folder's name"):
+        trace.check_writable(name)
+    assert not (fresh_cache.parent / "escape").exists() and name not in definitions._DEFINITIONS
 
 
 def test_apply_with_a_keyword_argument_once_a_trace_exists() -> None:
