@@ -45,7 +45,8 @@ def _continue(*args: Any, **kwargs: Any) -> None:
 
 
 class Router:
-    """Sends a call to the implementation chosen for its (device type, dtype, shape bucket)."""
+    """Sends a call to the implementation chosen for its (device type, dtype, shape bucket); a call on a device
+    no trace is timed on (meta, mps, ...) to the default, as with no trace."""
 
     def __init__(self, op: str, final: Callable[..., Any] | None = None) -> None:
         self.op = op
@@ -73,9 +74,12 @@ class Router:
             if x is None:  # no tensor among the arguments: no bucket
                 return self.default(*args, **kwargs)
             # _key(x), inline: the cheapest reads of a tensor (x.device builds an object; is_cuda does not)
+            cuda = x.is_cuda
+            if not cuda and not x.is_cpu:  # meta, mps, ...: no trace's choice holds there
+                return self.default(*args, **kwargs)
             n = x.numel()
             if type(n) is int:
-                key = (x.is_cuda, x.dtype, n.bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
+                key = (cuda, x.dtype, n.bit_length(), x.ndim == 0 or x.shape[-1] % 8 == 0)
             else:
                 key = _untraced_key(x)
             # the call's bucket; else (a bucket no workload had) its device, dtype and kind of width; else its device
@@ -87,7 +91,7 @@ class Router:
         """The name of the implementation a call with these arguments goes to (resolving first)."""
         resolve(self.op)
         x = _first_tensor(args, kwargs, self.params)
-        if x is None:
+        if x is None or not (x.is_cuda or x.is_cpu):
             return self.default_name
         key, picks = _key(x), self.picks
         return picks.get(key) or picks.get((key[0], key[1], key[3])) or picks.get((key[0],)) or self.default_name
@@ -295,13 +299,17 @@ def reset(op: str | None = None) -> None:
     or new implementations, in this process."""
     from opbuilder.dispatch import implementations
 
-    for name in [op] if op else list(_ROUTERS):
-        if name not in _ROUTERS and implementations.of(name):
-            continue  # registered, not yet applied: no choice made yet, nothing to forget
-        r = router(name)
-        r.table, r.picks, r.default, r.default_name, r.leave_in_thread = None, {}, _continue, "", 0
-        if name in BUILDERS:
-            ROUTES[name] = r
+    with _LOCK:  # not in the middle of another thread's resolve, whose table would overwrite the reset
+        for name in [op] if op else list(_ROUTERS):
+            if name not in _ROUTERS and implementations.of(name):
+                continue  # registered, not yet applied: no choice made yet, nothing to forget
+            r = router(name)
+            # The table only: a call of another thread that has passed its resolve() and reads the table
+            # after this finds None and goes to the previous default, which can still run the call (a
+            # default reset to _continue returned None from a user op's call).
+            r.table, r.leave_in_thread = None, 0
+            if name in BUILDERS:
+                ROUTES[name] = r
 
 
 def apply(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -1,0 +1,68 @@
+"""Dispatch under concurrency and on devices no trace covers: a ``reset`` landing in the middle of a call,
+two processes writing one trace, a tensor on the meta device."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import dispatch_userop
+from opbuilder.dispatch import check, router as dispatch, trace
+
+
+def _x(rows: int, width: int) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(rows * 1000 + width))
+
+
+def _tuned(op: str, impls: dict, fastest: str) -> None:
+    """``op``: the user op of the dispatch tests with ``impls`` (Python), a tune saved where ``fastest`` wins."""
+    from test_dispatch_robust import _variant
+
+    _variant(op, impls)
+    rows = [replace(r, us=1.0 if r.implementation == fastest else 9.0) for r in check.check(op)]
+    check.save(op, rows, "tune")
+
+
+def test_a_reset_between_a_calls_resolve_and_its_table_read_still_gives_the_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's ``reset`` (after a new tune) can land after this call's ``resolve`` and before it reads
+    the choices: the call still goes to an implementation (it returned None once), and the next one resolves."""
+    op = "twice_plus_one_reset_race"
+    _tuned(op, {"v": dispatch_userop.reference, "w": lambda x: 2 * x + 1}, "w")
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    x = _x(8, 64)
+    assert fn.pick(x) == "w"
+    real = dispatch.resolve
+
+    def resolve_then_reset(name: str) -> bool:
+        stays = real(name)
+        dispatch.reset(name)  # the other thread's reset, at the worst moment
+        return stays
+
+    monkeypatch.setattr(dispatch, "resolve", resolve_then_reset)
+    y = fn(x)
+    assert y is not None
+    torch.testing.assert_close(y, dispatch_userop.reference(x), rtol=0, atol=0)
+    monkeypatch.setattr(dispatch, "resolve", real)
+    assert dispatch.router(op).table is None  # the reset stands: the next call chooses again
+    torch.testing.assert_close(fn(x), dispatch_userop.reference(x), rtol=0, atol=0)
+    assert dispatch.router(op).table is not None
+
+
+def test_a_tensor_on_another_device_goes_to_the_default_not_to_the_cpus_choice() -> None:
+    """A trace's choices hold for the device they were timed on: a meta tensor's call (shape propagation)
+    went to the CPU's choice, here an implementation that only a CPU tensor can run."""
+    def through_numpy(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(x.numpy() * 2 + 1)
+
+    op = "twice_plus_one_meta"
+    _tuned(op, {"v": dispatch_userop.reference, "numpy": through_numpy}, "numpy")
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    assert fn.pick(_x(8, 64)) == "numpy"
+    meta = torch.empty(8, 64, device="meta")
+    assert fn.pick(meta) == "v"
+    y = fn(meta)
+    assert y.device.type == "meta" and y.shape == (8, 64)
+    torch.testing.assert_close(fn(_x(8, 64)), dispatch_userop.reference(_x(8, 64)), rtol=0, atol=0)
