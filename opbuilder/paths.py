@@ -28,6 +28,7 @@ The cache, under ``root()`` (``OPB_CACHE_DIR``, see ``opbuilder.env.cache_root``
     compilers.json                       each compiler's --version, asked once per binary
     traces/<op>/<key>.json               opbuilder tune's timings, which dispatch follows
     traces/<op>/<key>.check.json         opbuilder check's statuses
+    traces/<op>/<key>.lock               held while a check or tune reads and replaces a trace of that key
 
 Nothing here touches the disk or imports torch; the cache's own rules (modes, trust, atomic writes) are
 ``opbuilder.jit.cache``'s.
@@ -131,3 +132,8 @@ def check_op_name(op: str) -> None:
 def trace(op: str, key: str, kind: str = "tune") -> Path:
     """A trace file: ``kind`` "tune" (timings) or "check" (statuses)."""
     return traces(op) / (f"{key}.json" if kind == "tune" else f"{key}.{kind}.json")
+
+
+def trace_lock(op: str, key: str) -> Path:
+    """The lock of a key's traces: two writers keep each other's rows."""
+    return traces(op) / f"{key}.lock"

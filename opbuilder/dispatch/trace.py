@@ -194,17 +194,30 @@ def records(op: str, trace_key: str) -> tuple[dict[str, Any] | None, list[dict[s
 
 def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any]], kind: str = "tune") -> Path:
     """Store ``rows`` (one per implementation and workload) for this device, keeping other devices' rows;
-    one atomic rename, so a reader never sees half a file."""
+    one atomic rename, so a reader never sees half a file. The read and the rename are made under the key's
+    lock (``paths.trace_lock``), so two writers at once (two nodes' tunes on one cache) keep each other's rows.
+    Raises CacheError when the lock cannot be had within ``OPB_LOCK_TIMEOUT``."""
+    from opbuilder.jit.locks import FileLock, Timeout
+
     trace_key = key(implementation_keys)
     target = path(op, trace_key, kind)
     devices = {r["device_name"] for r in rows}
-    old = read(op, trace_key, kind) or {}
-    kept = [r for r in old.get("rows", []) if r.get("device_name") not in devices]
-    data = {
-        "op": op, "kind": kind, "key": trace_key, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "implementations": implementation_keys, "rows": kept + rows,
-    }
-    cache.write_text_atomic(target, json.dumps(data, indent=1))  # private, or the group's in a shared cache
+    lock = FileLock(paths.trace_lock(op, trace_key), mode=cache.lock_mode())
+    try:
+        lock.acquire(timeout=env.lock_timeout())
+    except Timeout:
+        raise CacheError(f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for {lock.path}, held by "
+                         f"another process writing {op}'s trace; raise OPB_LOCK_TIMEOUT to wait longer") from None
+    try:
+        old = read(op, trace_key, kind) or {}
+        kept = [r for r in old.get("rows", []) if r.get("device_name") not in devices]
+        data = {
+            "op": op, "kind": kind, "key": trace_key, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "implementations": implementation_keys, "rows": kept + rows,
+        }
+        cache.write_text_atomic(target, json.dumps(data, indent=1))  # private, or the group's in a shared cache
+    finally:
+        lock.release()
     return target
 
 

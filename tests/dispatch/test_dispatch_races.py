@@ -3,6 +3,7 @@ two processes writing one trace, a tensor on the meta device."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -66,3 +67,32 @@ def test_a_tensor_on_another_device_goes_to_the_default_not_to_the_cpus_choice()
     y = fn(meta)
     assert y.device.type == "meta" and y.shape == (8, 64)
     torch.testing.assert_close(fn(_x(8, 64)), dispatch_userop.reference(_x(8, 64)), rtol=0, atol=0)
+
+
+def test_two_writers_of_one_trace_keep_both_devices_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tunes of one op on one cache (two nodes with different GPUs): each keeps the other device's rows,
+    so the writes read and replace the file one at a time; before, the second writer's rows were lost."""
+    op = "twice_plus_one_two_writers"
+    keys = {"v": "k1"}
+    row = {"implementation": "v", "device": "cpu", "dtype": "float32", "status": "PASSED", "bucket": [9, True],
+           "us": 1.0}
+    first_read, second_done = threading.Event(), threading.Event()
+    real_read = trace.read
+
+    def slow_read(name: str, trace_key: str, kind: str = "tune"):
+        data = real_read(name, trace_key, kind)
+        if threading.current_thread().name == "first":
+            first_read.set()
+            second_done.wait(2.0)  # without a lock the second writer finishes here, between read and write
+        return data
+
+    monkeypatch.setattr(trace, "read", slow_read)
+    first = threading.Thread(name="first",
+                             target=lambda: trace.write(op, keys, [dict(row, device_name="node a")]))
+    first.start()
+    assert first_read.wait(30)
+    trace.write(op, keys, [dict(row, device_name="node b")])
+    second_done.set()
+    first.join(30)
+    names = sorted(r["device_name"] for r in real_read(op, trace.key(keys))["rows"])
+    assert names == ["node a", "node b"]

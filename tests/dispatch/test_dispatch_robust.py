@@ -368,5 +368,7 @@ def test_a_candidate_that_crashes_or_hangs_is_recorded_and_check_goes_on(fresh_c
     assert "while loading" in status["load crashes", "8x64"]["message"]
     assert all(status["reference", w]["status"] == "PASSED" for w in ("7x111", "odd widths"))
     folder = fresh_cache / "traces" / "twice_plus_one_crashes"
-    (stored,) = folder.iterdir()  # the check record, whole; no temporary file left
+    # the check record, whole, and its key's lock; no temporary file left
+    stored, lock = sorted(folder.iterdir(), key=lambda p: p.suffix)
+    assert lock.name == stored.name.replace(".check.json", ".lock"), (stored, lock)
     assert stored.name.endswith(".check.json") and len(json.loads(stored.read_text())["rows"]) == len(status)
