@@ -38,6 +38,7 @@ from opbuilder.jit.log import say
 
 if TYPE_CHECKING:
     from opbuilder.jit import prebuilt
+    from opbuilder.jit.locks import FileLock
 
 __all__ = ["BuildSpec", "Built", "Ready", "SourcesChanged", "build_and_load", "ensure_built", "extension", "say"]
 
@@ -215,9 +216,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None, cannot_bui
     already replaced it. ``cannot_build``: why this process cannot compile the op (it may still find a
     build: someone else's, or the remote tier's). Raises as ``build_and_load`` does.
     """
-    from opbuilder.jit.locks import FileLock, Timeout
-
-    from opbuilder.jit import compile  # the compiler's side: not imported on the warm path
+    from opbuilder.jit.locks import FileLock
 
     slot = cache.Slot(spec.op, spec.key)
 
@@ -226,22 +225,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None, cannot_bui
     cache.refuse_symlink(slot.lock_path)
     lock = FileLock(str(slot.lock_path), mode=cache.lock_mode())
     waited_since = time.time()
-    deadline = waited_since + env.lock_timeout()
-    waited = False
-    while True:
-        try:
-            lock.acquire(timeout=0 if not waited else max(0.0, min(0.5, deadline - time.time())))
-            break
-        except Timeout:
-            if not waited:
-                say(f"waiting for another process building {spec.op} (lock {slot.lock_path})")
-                waited = True
-            compile.raise_if_cancelled()  # Ctrl-C while waiting: stop now
-            if time.time() >= deadline:
-                raise CacheLockTimeout(
-                    f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for the build lock {slot.lock_path} "
-                    f"of op {spec.op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
-                ) from None
+    waited = _hold(lock, spec.op, "build lock")
     try:
         good = _good_build(slot, reject_build_id)
         if good is not None:
@@ -280,6 +264,30 @@ def _good_build(slot: cache.Slot, reject_build_id: str | None) -> Built | None:
     return Built(slot.path, artifact, manifest)
 
 
+def _hold(lock: FileLock, op: str, what: str) -> bool:
+    """Acquire ``lock`` (a build's), waiting up to ``OPB_LOCK_TIMEOUT`` while another process holds it, and
+    stopping at once on Ctrl-C; True when it had to wait. Raises CacheLockTimeout naming the lock file."""
+    from opbuilder.jit import compile
+    from opbuilder.jit.locks import Timeout
+
+    deadline = time.time() + env.lock_timeout()
+    waited = False
+    while True:
+        try:
+            lock.acquire(timeout=0 if not waited else max(0.0, min(0.5, deadline - time.time())))
+            return waited
+        except Timeout:
+            if not waited:
+                say(f"waiting for another process building {op} ({what} {lock.path})")
+                waited = True
+            compile.raise_if_cancelled()  # Ctrl-C while waiting: stop now
+            if time.time() >= deadline:
+                raise CacheLockTimeout(
+                    f"opbuilder: gave up after {env.lock_timeout():.0f} s waiting for the {what} {lock.path} "
+                    f"of op {op!r}; another process is still building it. Raise OPB_LOCK_TIMEOUT to wait longer."
+                ) from None
+
+
 def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
     from opbuilder.jit.locks import FileLock
 
@@ -292,7 +300,10 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
     work = compile.work_dir(spec.op, spec.inputs)
     tmp_dir = slot.new_tmp_dir()
     try:
-        with FileLock(str(paths.work_lock(work)), mode=cache.lock_mode()):
+        # the work folder's objects are shared by the op's keys: another key's build may be compiling there
+        work_lock = FileLock(str(paths.work_lock(work)), mode=cache.lock_mode())
+        _hold(work_lock, spec.op, "work folder's lock")
+        with work_lock:
             try:
                 result = compile.build(spec, say)
             except OSError as exc:  # the snapshot or the work folder could not be written

@@ -130,6 +130,34 @@ def test_lock_timeout_names_the_lock_file(tmp_path: Path, fresh_cache: Path) -> 
         sys.modules.pop("my_ops", None)
 
 
+def test_a_held_work_folder_lock_times_out_too(tmp_path: Path, fresh_cache: Path) -> None:
+    """The work folder (objects kept across keys of one op) has its own lock, held while another process
+    compiles there: a build waits for it as long as for the key's lock, then says which lock it gave up on
+    (it waited for ever: a hung compiler in one process hung every build of the op), and records no failure."""
+    from opbuilder import paths
+    from opbuilder.jit import compile
+    from opbuilder.jit.locks import FileLock
+
+    op = write_user_op(tmp_path / "proj")
+    sys.path.insert(0, str(op))
+    try:
+        from my_ops import AddScaleBuilder
+
+        builder = AddScaleBuilder()
+        work_lock = paths.work_lock(compile.work_dir("add_scale", builder.key_inputs()))
+        with FileLock(work_lock):
+            result = run_python(load_snippet(op), env={"OPB_LOCK_TIMEOUT": "1"}, timeout=120)
+        assert result.returncode != 0
+        assert "CacheLockTimeout" in result.stderr and str(work_lock) in result.stderr, result.stderr[-3000:]
+        assert "OPB_LOCK_TIMEOUT" in result.stderr
+        assert not paths.failure("add_scale", builder.key).exists()
+        result = run_python(load_snippet(op))  # the lock free again: it builds
+        assert result.returncode == 0 and "RESULT [1.0, 3.0, 5.0, 7.0, 9.0]" in result.stdout, result.stderr[-3000:]
+    finally:
+        sys.path.remove(str(op))
+        sys.modules.pop("my_ops", None)
+
+
 def test_two_versions_of_one_op_load_in_one_process(built_user_op: tuple[Path, Path], tmp_path: Path,
                                                     fresh_cache: Path) -> None:
     copy_cache(built_user_op[1], fresh_cache)  # v1 is the built op: only v2 builds
