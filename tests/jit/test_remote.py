@@ -265,6 +265,15 @@ def test_bad_entry_is_refused_and_built_here(case: str, tmp_path: Path, built_us
     assert _builds(result.stderr) == 1 and "fetched" not in result.stderr, result.stderr
     _, manifest = _only_build(local)
     assert "remote" not in manifest, "the build in the local cache must be this node's own"
+    # The build here took the refused entry's place (it stayed there before, and every node built its own
+    # until `opbuilder clean --remote`): the next node downloads it. One over this node's size limit is not
+    # shared, so the entry there stays as it was.
+    result = run_python(load_snippet(built_user_op[0]), env={**env, **extra, "OPB_CACHE_DIR": str(tmp_path / "next")})
+    assert result.returncode == 0 and RESULT in result.stdout, result.stderr[-3000:]
+    if case == "over the size limit":
+        assert "not shared" in result.stderr and _builds(result.stderr) == 1, result.stderr
+    else:
+        assert "fetched add_scale" in result.stderr and _builds(result.stderr) == 0, result.stderr
 
 
 def test_entry_of_another_key_is_never_loaded(tmp_path: Path, built_user_op: tuple[Path, Path],
@@ -536,6 +545,51 @@ def test_the_tier_on_another_store_outage_said_once_then_recovery(
     assert artifact is not None and manifest is not None and manifest["remote"]["from"] == "memory://test", why
     assert said[-1].startswith("fetched add_scale from the remote cache memory://test"), said
 
+
+
+def test_a_refused_entry_is_replaced_once_and_one_that_does_not_load_here_is_kept(
+        tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad entry is rebuilt under the lease and shared in its place, not when another rank holds the lease
+    (that rank replaces it; waiting would download the bad entry again); a good entry that does not load on
+    this node (``reject_build_id``) is built here and left for the nodes it loads on."""
+    from helpers import copy_cache
+
+    from opbuilder.jit.remote.tier import Tier
+
+    store = MemoryStore()
+    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
+    key = user_op_key(built_user_op[0])
+    monkeypatch.setenv("OPB_CACHE_DIR", str(copy_cache(built_user_op[1], tmp_path / "builder")))
+    slot = cache.Slot("add_scale", key)
+    builds: list[int] = []
+
+    def build() -> Path:  # the node's own build: here, the one already in its cache
+        builds.append(1)
+        return slot.path
+
+    assert tier.push(slot, print).startswith("shared")
+    good = store.entries[("add_scale", key)]
+    store.entries[("add_scale", key)] = bad = remote.Entry(good.manifest, good.library, good.log, "0" * 64)
+
+    store.leases[("add_scale", key)] = ("another rank", time.monotonic() + 60)
+    said: list[str] = []
+    assert tier.obtain(slot, build, said.append) == slot.path
+    assert len(builds) == 1 and store.entries[("add_scale", key)] is bad, said
+    assert any("refusing add_scale's entry" in line for line in said), said
+
+    store.leases.clear()
+    assert tier.obtain(slot, build, said.append) == slot.path
+    assert len(builds) == 2 and not store.leases
+    assert store.entries[("add_scale", key)].signature == good.signature, "the build here took the bad one's place"
+
+    build_id = json.loads(good.manifest)["build_id"]
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "other-node"))
+    other = cache.Slot("add_scale", key)
+    said.clear()
+    assert tier.obtain(other, lambda: (builds.append(1), slot.path)[1], said.append, reject_build_id=build_id) \
+        == slot.path
+    assert len(builds) == 3 and store.entries[("add_scale", key)].signature == good.signature
+    assert any("does not load here" in line for line in said), said
 
 
 def test_failure_record_not_signed_with_the_secret_is_not_believed(tmp_path: Path,

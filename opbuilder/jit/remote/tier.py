@@ -8,7 +8,9 @@ talks to the store) when the local cache has no good build:
    then the manifest itself (its key, op, size and hash). A good one is written into a temporary
    folder and published with ``cache.publish``, the atomic rename of a local build, then passes
    ``cache.check_trusted`` as a local build does. A refused one is said in one line and the op is
-   built here; nothing half-written is left in the local cache.
+   built here, under the key's build lease when it is free, and shared in its place (so one bad entry
+   costs one build, not one per node until someone cleans it); nothing half-written is left in the local
+   cache.
 2. With no entry, the rank that takes the key's build lease builds (renewing the lease while it
    compiles), publishes locally, uploads, and releases the lease. The others wait for the entry and
    download it; a failed build is handed to them with the compiler's error; a lease that expires
@@ -268,8 +270,8 @@ class Tier:
 
     def _refuse(self, op: str, key: str, why: str, say: Say) -> None:
         _count("refused")
-        say(f"remote cache: refusing {op}'s entry {key} from {self.store.where}: {why}; building it here "
-            f"(`opbuilder clean --remote {op}` removes the entry)")
+        say(f"remote cache: refusing {op}'s entry {key} from {self.store.where}: {why}; building it here, "
+            f"to share in its place")
 
     # ---- the sequence ------------------------------------------------------------------------------
 
@@ -290,8 +292,9 @@ class Tier:
             self._answered(say)
             if isinstance(found, Path):
                 return found
-            if found == "refused":
+            if found == "rejected":  # a good entry that does not load here: built here, the entry kept
                 return self._build_here(build)
+            bad_entry = found == "refused"
             holders: set[str] = set()
             deadline = time.monotonic() + env.lock_timeout()
             while True:
@@ -300,6 +303,8 @@ class Tier:
                         say(f"the remote build of {op} by {', '.join(sorted(holders))} ended without a result "
                             f"(its lease expired); building it here")
                     break
+                if bad_entry:  # another rank builds the replacement; waiting would download the bad entry again
+                    return self._build_here(build)
                 found = self._wait(slot, holders, deadline, say)
                 if isinstance(found, Path):
                     return found
@@ -382,7 +387,8 @@ class Tier:
 
     def _fetch(self, slot: cache.Slot, say: Say, reject_build_id: str | None) -> Path | str | None:
         """The slot's folder after a good entry was downloaded and published; "refused" when the entry is
-        not good; None when there is none. Raises RemoteUnavailable, CacheError (the local cache)."""
+        not good; "rejected" when it is the build ``reject_build_id`` names (it did not load here); None when
+        there is none. Raises RemoteUnavailable, CacheError (the local cache)."""
         op, key = slot.op, slot.key
         size = self.store.size(op, key)
         if size is None:
@@ -400,7 +406,7 @@ class Tier:
             return "refused"
         if reject_build_id is not None and str(manifest.get("build_id")) == reject_build_id:
             say(f"the remote build of {op} ({reject_build_id}) does not load here; building it here")
-            return "refused"
+            return "rejected"
         started = time.monotonic()
         path = self._publish(slot, manifest, entry)
         _count("hits")
