@@ -40,11 +40,11 @@ def refuse_forward_ad(op: str, *tensors: torch.Tensor | None) -> None:
 
 def _tangent(t: torch.Tensor) -> torch.Tensor | None:
     """t's forward-AD tangent; None where functorch's vmap wraps t (``jvp`` of ``vmap``: unpack_dual has no batching
-    rule, an error that names no op): the registered op below the transform then refuses the tangent itself."""
-    try:
-        return forward_ad.unpack_dual(t).tangent
-    except RuntimeError:
+    rule, an error that names no op): the registered op below the transform then refuses the tangent itself.
+    Any other error of unpack_dual is raised (it was taken for "no tangent")."""
+    if torch._C._functorch.is_batchedtensor(t):
         return None
+    return forward_ad.unpack_dual(t).tangent
 
 
 def refuse_nested_grad(op: str) -> None:

@@ -335,3 +335,16 @@ def test_forward_ad_of_vmap_is_refused_naming_the_op(name: str) -> None:
     for f in (fn, registered):
         with pytest.raises(NotImplementedError, match="forward AD with opbuilder's"):
             torch.func.jvp(torch.func.vmap(f), tuple(batched), tuple(torch.ones_like(a) for a in batched))
+
+
+def test_an_error_reading_a_tangent_other_than_vmaps_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a vmap-batched tensor's tangent is left to the op below the transform; any other error of
+    unpack_dual is the caller's to see (every RuntimeError was taken for "no tangent", and the op ran on)."""
+    from opbuilder.torchop import once
+
+    def unreadable(t: torch.Tensor) -> None:
+        raise RuntimeError("the tangent could not be read")
+
+    monkeypatch.setattr(once.forward_ad, "unpack_dual", unreadable)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="the tangent could not be read"):
+        once.refuse_forward_ad("relu", torch.ones(2))
