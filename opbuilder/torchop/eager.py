@@ -117,7 +117,9 @@ def _register_python_formula(qualname: str, backward: Callable[..., Any], setup_
     from opbuilder.torchop.once import refuse_forward_ad
 
     op = utils.lookup_op(qualname)
-    if utils.is_out(op) or not utils.is_functional_schema(op._schema) or utils.has_kwarg_only_tensors(op._schema):
+    is_out = getattr(utils, "is_out", None)  # torch 2.13 on; before it, an out= op is refused as mutating (below)
+    if (is_out is not None and is_out(op)) or not utils.is_functional_schema(op._schema) \
+            or utils.has_kwarg_only_tensors(op._schema):
         # A schema torch.library refuses a formula for (an out= or mutating op: the Function would not know of the
         # mutation; a kwarg-only Tensor: make_autograd_impl passes it beside the Function, so it got no gradient):
         # its own registration raises its own error.

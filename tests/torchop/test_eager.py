@@ -325,6 +325,37 @@ def test_python_formula_refuses_what_torch_library_refuses(schema: str) -> None:
         lib._destroy()
 
 
+@pytest.mark.parametrize("has_is_out", [True, False], ids=["torch 2.13 on", "torch 2.10 to 2.12"])
+def test_python_formula_registers_on_a_torch_without_is_out(has_is_out: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch._library.utils.is_out`` came with torch 2.13; the project supports torch 2.10 on (pyproject), where
+    every op's Python formula failed to register with an AttributeError (8 CUDA tests failed on torch 2.11)."""
+    import types
+
+    import torch._library
+    from torch._library import utils
+
+    if not has_is_out:  # what opbuilder's import of torch._library.utils gets (torch's own modules keep theirs)
+        older = {k: getattr(utils, k) for k in dir(utils) if k != "is_out" and not k.startswith("__")}
+        monkeypatch.setattr(torch._library, "utils", types.SimpleNamespace(**older))
+    elif not hasattr(utils, "is_out"):
+        pytest.skip("this torch has no torch._library.utils.is_out")
+    ns = "opb_test_formula_is_out"
+    lib = torch.library.Library(ns, "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    try:
+        eager.register_autograd(f"{ns}::twice", lambda ctx, g: g * 2, setup_context=lambda *a, **k: None)
+        eager.register_queued(ns)
+        x = torch.ones(3, requires_grad=True)
+        getattr(torch.ops, ns).twice(x).sum().backward()
+        torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    finally:
+        eager._QUEUED.pop(ns, None)
+        eager._AUTOGRAD.pop(f"{ns}::twice", None)
+        eager._FORMULAS.pop(ns, None)
+        lib._destroy()
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_forward_ad_of_vmap_is_refused_naming_the_op(name: str) -> None:
     """jvp of vmap: the functions' own refusal read the tangent of a vmap-batched tensor, where unpack_dual has no
