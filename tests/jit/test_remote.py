@@ -267,11 +267,14 @@ def test_bad_entry_is_refused_and_built_here(case: str, tmp_path: Path, built_us
     assert "remote" not in manifest, "the build in the local cache must be this node's own"
     # The build here took the refused entry's place (it stayed there before, and every node built its own
     # until `opbuilder clean --remote`): the next node downloads it. One over this node's size limit is not
-    # shared, so the entry there stays as it was.
+    # shared, so the entry there stays as it was; so does one whose signature does not match (another
+    # secret's, maybe: good for the nodes of that secret), which the next node refuses and builds again.
     result = run_python(load_snippet(built_user_op[0]), env={**env, **extra, "OPB_CACHE_DIR": str(tmp_path / "next")})
     assert result.returncode == 0 and RESULT in result.stdout, result.stderr[-3000:]
     if case == "over the size limit":
         assert "not shared" in result.stderr and _builds(result.stderr) == 1, result.stderr
+    elif said == "its signature does not match":
+        assert "the entry is left" in result.stderr and _builds(result.stderr) == 1, result.stderr
     else:
         assert "fetched add_scale" in result.stderr and _builds(result.stderr) == 0, result.stderr
 
@@ -569,7 +572,7 @@ def test_a_refused_entry_is_replaced_once_and_one_that_does_not_load_here_is_kep
 
     assert tier.push(slot, print).startswith("shared")
     good = store.entries[("add_scale", key)]
-    store.entries[("add_scale", key)] = bad = remote.Entry(good.manifest, good.library, good.log, "0" * 64)
+    store.entries[("add_scale", key)] = bad = remote.Entry(good.manifest, good.library, good.log, None)  # half-written
 
     store.leases[("add_scale", key)] = ("another rank", time.monotonic() + 60)
     said: list[str] = []
@@ -590,6 +593,39 @@ def test_a_refused_entry_is_replaced_once_and_one_that_does_not_load_here_is_kep
         == slot.path
     assert len(builds) == 3 and store.entries[("add_scale", key)].signature == good.signature
     assert any("does not load here" in line for line in said), said
+
+
+def test_an_entry_signed_with_another_secret_is_built_here_and_kept(
+        tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signature that does not match cannot tell a damaged entry from one signed with another secret (a node
+    whose secret file differs, or a rotation half done): the node builds for itself and leaves the entry, which
+    is good for the nodes of the cluster's secret. Replacing it made every such node and every node of the
+    secret replace each other's entry in turn, each replacement a build on the other side."""
+    from helpers import copy_cache
+
+    from opbuilder.jit.remote.tier import Tier
+
+    store = MemoryStore()
+    cluster, odd = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0), Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
+    key = user_op_key(built_user_op[0])
+    monkeypatch.setenv("OPB_CACHE_DIR", str(copy_cache(built_user_op[1], tmp_path / "builder")))
+    slot = cache.Slot("add_scale", key)
+    assert cluster.push(slot, print).startswith("shared")
+    good = store.entries[("add_scale", key)]
+    builds: list[int] = []
+
+    def build() -> Path:  # the node's own build: here, the one already in its cache
+        builds.append(1)
+        return slot.path
+
+    said: list[str] = []
+    assert odd.obtain(slot, build, said.append) == slot.path  # the node of another secret
+    assert len(builds) == 1 and any("its signature does not match" in line for line in said), said
+    assert store.entries[("add_scale", key)] is good and not store.leases
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "next-node"))
+    said.clear()
+    fetched = cluster.obtain(cache.Slot("add_scale", key), build, said.append)  # a node of the cluster's secret
+    assert len(builds) == 1 and fetched.is_relative_to(tmp_path / "next-node"), said
 
 
 def test_failure_record_not_signed_with_the_secret_is_not_believed(tmp_path: Path,

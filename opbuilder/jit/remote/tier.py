@@ -10,7 +10,9 @@ talks to the store) when the local cache has no good build:
    ``cache.check_trusted`` as a local build does. A refused one is said in one line and the op is
    built here, under the key's build lease when it is free, and shared in its place (so one bad entry
    costs one build, not one per node until someone cleans it); nothing half-written is left in the local
-   cache.
+   cache. One whose signature does not match is built here and left: that cannot tell an entry changed
+   after signing from one signed with another secret (a node with another secret file, a rotation half
+   done), which the nodes of the cluster's secret load; replacing it, each side would replace the other's.
 2. With no entry, the rank that takes the key's build lease builds (renewing the lease while it
    compiles), publishes locally, uploads, and releases the lease. The others wait for the entry and
    download it; a failed build is handed to them with the compiler's error; a lease that expires
@@ -58,6 +60,9 @@ _SIGNED = b"opbuilder-remote-v1"
 
 _LOCK = threading.Lock()
 #: What this process did with the tier, for ``opbuilder report``.
+#: ``Tier._check``'s refusal that may be this node's doing (another secret): the entry is left (``_fetch``).
+_SIGNATURE_MISMATCH = ("its signature does not match: the library, manifest or log changed after it was signed, "
+                       "or it was signed with another secret than OPB_REMOTE_CACHE_SECRET_FILE's")
 STATS = {"hits": 0, "misses": 0, "refused": 0, "uploads": 0, "faults": 0}
 _TIERS: dict[tuple, "Tier | str"] = {}
 
@@ -268,10 +273,10 @@ class Tier:
             self._warned.discard("down")
         say(f"remote cache {self.store.where} answers again")
 
-    def _refuse(self, op: str, key: str, why: str, say: Say) -> None:
+    def _refuse(self, op: str, key: str, why: str, say: Say, replace: bool = True) -> None:
         _count("refused")
-        say(f"remote cache: refusing {op}'s entry {key} from {self.store.where}: {why}; building it here, "
-            f"to share in its place")
+        say(f"remote cache: refusing {op}'s entry {key} from {self.store.where}: {why}; building it here"
+            + (", to share in its place" if replace else " (the entry is left for the nodes it is good for)"))
 
     # ---- the sequence ------------------------------------------------------------------------------
 
@@ -292,7 +297,7 @@ class Tier:
             self._answered(say)
             if isinstance(found, Path):
                 return found
-            if found == "rejected":  # a good entry that does not load here: built here, the entry kept
+            if found == "rejected":  # good elsewhere (it does not load here, another secret?): built here, kept
                 return self._build_here(build)
             bad_entry = found == "refused"
             holders: set[str] = set()
@@ -308,7 +313,7 @@ class Tier:
                 found = self._wait(slot, holders, deadline, say)
                 if isinstance(found, Path):
                     return found
-                if found == "refused" or found == "timeout":
+                if found in ("refused", "rejected", "timeout"):
                     return self._build_here(build)
         except RemoteUnavailable as exc:
             self._fault(exc, "building here", say)
@@ -387,8 +392,9 @@ class Tier:
 
     def _fetch(self, slot: cache.Slot, say: Say, reject_build_id: str | None) -> Path | str | None:
         """The slot's folder after a good entry was downloaded and published; "refused" when the entry is
-        not good; "rejected" when it is the build ``reject_build_id`` names (it did not load here); None when
-        there is none. Raises RemoteUnavailable, CacheError (the local cache)."""
+        not good; "rejected" when it may be good elsewhere: the build ``reject_build_id`` names (it did not load
+        here), or its signature does not match (another secret's, or changed after signing); None when there
+        is none. Raises RemoteUnavailable, CacheError (the local cache)."""
         op, key = slot.op, slot.key
         size = self.store.size(op, key)
         if size is None:
@@ -402,8 +408,9 @@ class Tier:
             return None
         manifest, why = self._check(op, key, entry)
         if manifest is None or why is not None:
-            self._refuse(op, key, why or "unusable", say)
-            return "refused"
+            other_secret = why == _SIGNATURE_MISMATCH
+            self._refuse(op, key, why or "unusable", say, replace=not other_secret)
+            return "rejected" if other_secret else "refused"
         if reject_build_id is not None and str(manifest.get("build_id")) == reject_build_id:
             say(f"the remote build of {op} ({reject_build_id}) does not load here; building it here")
             return "rejected"
@@ -426,8 +433,7 @@ class Tier:
         library_sha = hashlib.sha256(entry.library).hexdigest()
         expected = sign(self._secret, op, key, entry.manifest, library_sha, entry.log or b"")
         if not hmac.compare_digest(expected.encode(), entry.signature.encode("utf-8", "replace")):  # any bytes
-            return None, ("its signature does not match: the library, manifest or log changed after it was signed, "
-                          "or it was signed with another secret than OPB_REMOTE_CACHE_SECRET_FILE's")
+            return None, _SIGNATURE_MISMATCH
         try:
             manifest = json.loads(entry.manifest)
         except ValueError:
