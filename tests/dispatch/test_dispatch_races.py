@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,9 +70,11 @@ def test_a_tensor_on_another_device_goes_to_the_default_not_to_the_cpus_choice()
     torch.testing.assert_close(fn(_x(8, 64)), dispatch_userop.reference(_x(8, 64)), rtol=0, atol=0)
 
 
-def test_two_writers_of_one_trace_keep_both_devices_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_writers_of_one_trace_keep_both_devices_rows(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two tunes of one op on one cache (two nodes with different GPUs): each keeps the other device's rows,
-    so the writes read and replace the file one at a time; before, the second writer's rows were lost."""
+    so the writes read and replace the file one at a time; before, the second writer's rows were lost. In a
+    fresh cache: the trace a run before left in the test cache already has both rows, which the first writer
+    would keep without a lock."""
     op = "twice_plus_one_two_writers"
     keys = {"v": "k1"}
     row = {"implementation": "v", "device": "cpu", "dtype": "float32", "status": "PASSED", "bucket": [9, True],
