@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -132,6 +133,18 @@ def _flat(where: tuple) -> tuple:
 
 
 _LOCK = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    """A new lock in a forked child: a thread of the parent that was resolving at the fork (loading, maybe
+    building, for minutes) holds the old one for ever there, and the child's first call or reset would wait on
+    it. A half-made choice is never seen: ``_resolve`` sets the table last, so the child resolves again."""
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 ROUTES.update({name: Router(name) for name in BUILDERS})
 _ROUTERS: dict[str, Router] = dict(ROUTES)

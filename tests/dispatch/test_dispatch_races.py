@@ -99,3 +99,41 @@ def test_two_writers_of_one_trace_keep_both_devices_rows(fresh_cache: Path, monk
     first.join(30)
     names = sorted(r["device_name"] for r in real_read(op, trace.key(keys))["rows"])
     assert names == ["node a", "node b"]
+
+
+def _reset_in_child(op: str) -> None:
+    dispatch.reset(op)
+
+
+def test_a_reset_in_a_process_forked_while_another_thread_resolves_does_not_hang() -> None:
+    """``reset`` takes the lock that a first call holds while it resolves (loading, maybe building, for
+    minutes): a process forked meanwhile (a DataLoader worker) inherits it held by a thread it does not have,
+    and its reset, or its own first call, waited for ever."""
+    import multiprocessing
+
+    op = "twice_plus_one_fork_reset"
+    fn = dispatch.apply(op)(dispatch_userop.reference)
+    resolving, done = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another thread in the middle of a resolve
+        with dispatch._LOCK:
+            resolving.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert resolving.wait(30)
+        for work in (_reset_in_child, fn):
+            child = multiprocessing.get_context("fork").Process(
+                target=work, args=(op,) if work is _reset_in_child else (_x(8, 64),))
+            child.start()
+            child.join(30)
+            hung = child.exitcode is None
+            if hung:
+                child.kill()
+                child.join()
+            assert not hung and child.exitcode == 0, (work, child.exitcode)
+    finally:
+        done.set()
+        holder.join()
