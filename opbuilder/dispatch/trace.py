@@ -223,13 +223,20 @@ def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any
 
 def check_writable(op: str) -> None:
     """Raises CacheError when ``op``'s traces cannot be written here (a read-only or full cache, a folder not
-    this user's), as ``write`` would: asked before a check or tune runs every implementation, not after.
-    Leaves nothing behind."""
+    this user's, a filesystem without file locks: LockUnsupported), as ``write`` would: asked before a check or
+    tune runs every implementation, not after. Leaves nothing behind."""
+    from opbuilder.jit.locks import FileLock
+
     probe = paths.traces(op) / f".probe-{os.getpid()}"
     cache.write_text_atomic(probe, "a trace can be written here\n")
-    probe.unlink()
-    with contextlib.suppress(OSError):  # an empty folder would count as a trace (any_for) until one is written
-        probe.parent.rmdir()
+    try:
+        lock = FileLock(probe)  # write locks the key's traces: flock must work in this folder
+        lock.acquire(timeout=0)
+        lock.release()
+    finally:
+        probe.unlink()
+        with contextlib.suppress(OSError):  # an empty folder would count as a trace (any_for) until one is written
+            probe.parent.rmdir()
 
 
 Choice = tuple[str, torch.dtype, Bucket]

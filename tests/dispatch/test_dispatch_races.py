@@ -137,3 +137,23 @@ def test_a_reset_in_a_process_forked_while_another_thread_resolves_does_not_hang
     finally:
         done.set()
         holder.join()
+
+
+def test_a_cache_without_file_locks_is_refused_before_a_check_or_tune_runs(
+        fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trace.write`` locks the trace's key (Lustre without flock, some NFS: LockUnsupported): the check made
+    before a check or tune runs every implementation says so then, not when its rows are stored, and leaves
+    nothing (a folder there would count as a trace)."""
+    import errno
+    import os
+
+    from opbuilder.jit import locks
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_flock)
+    op = "twice_plus_one_no_flock"
+    with pytest.raises(locks.LockUnsupported, match="ENOLCK"):
+        trace.check_writable(op)
+    assert not trace.any_for(op)
