@@ -59,10 +59,10 @@ MIN_SECRET = 16
 _SIGNED = b"opbuilder-remote-v1"
 
 _LOCK = threading.Lock()
-#: What this process did with the tier, for ``opbuilder report``.
 #: ``Tier._check``'s refusal that may be this node's doing (another secret): the entry is left (``_fetch``).
 _SIGNATURE_MISMATCH = ("its signature does not match: the library, manifest or log changed after it was signed, "
                        "or it was signed with another secret than OPB_REMOTE_CACHE_SECRET_FILE's")
+#: What this process did with the tier, for ``opbuilder report``.
 STATS = {"hits": 0, "misses": 0, "refused": 0, "uploads": 0, "faults": 0}
 _TIERS: dict[tuple, "Tier | str"] = {}
 
