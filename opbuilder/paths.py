@@ -11,6 +11,8 @@ The cache, under ``root()`` (``OPB_CACHE_DIR``, see ``opbuilder.env.cache_root``
 
     <op>/<key>/                          a published build: the library, manifest.json, build.log
     <op>/<key>.lock                      the build lock of that key (an OS lock: it dies with its holder)
+    <op>/<key>.starting.lock             held by a background build of that key (the C++ gradient glue's) from its
+                                         start to its end: other processes wait for it rather than start their own
     <op>/<key>.failed.json               the last failed build of that key: its error ...
     <op>/<key>.failed.log                ... and the compiler's whole output
     <op>/.tmp-<key>-<pid>-*/             a build in progress (or a replaced one on its way out); never loaded,
@@ -78,6 +80,10 @@ def build_dir(op: str, key: str) -> Path:
 
 def lock(op: str, key: str) -> Path:
     return op_dir(op) / f"{key}.lock"
+
+
+def build_starter(op: str, key: str) -> Path:
+    return op_dir(op) / f"{key}.starting.lock"
 
 
 def failure(op: str, key: str) -> Path:

@@ -51,7 +51,7 @@ def _cxx_autograd_glue_switch(_cxx_autograd_glue_started: None) -> None:
     cache, before any test's fixture points OPB_CACHE_DIR elsewhere), not at a gradient inside a test."""
     from opbuilder.torchop import cxx_autograd
 
-    if cxx_autograd.state() == "building":
+    if cxx_autograd.state() in ("building", "waiting"):
         cxx_autograd.load(wait=False)  # a poll: loads it if the build has ended, never waits
 
 

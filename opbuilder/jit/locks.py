@@ -112,6 +112,14 @@ class FileLock:
                 pass  # the close below still ends this copy's hold
             os.close(fd)
 
+    def detach(self) -> int:
+        """The held lock's descriptor, forgotten here without unlocking: the caller owns it (hands it to a child
+        process, which then holds the lock until it exits, and closes its own copy)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise RuntimeError(f"{self.path}: detach() of a lock not held")
+        return fd
+
     @property
     def is_locked(self) -> bool:
         return self._fd is not None

@@ -15,7 +15,11 @@ calls switch once it is there; a process whose ops are never differentiated neve
 call of an op without a gradient never waits for it. A child process, not a thread: the build finishes
 and is kept for the next process even when this one ends first; it imports the same opbuilder as this process
 (its ``sys.path``, made absolute) and checks that it builds the glue this process asks for. While it runs, a
-call asks whether it has finished at most every quarter second (one clock read otherwise). A process forked
+call asks whether it has finished at most every quarter second (one clock read otherwise). Where another
+process already builds it (the ranks of a torchrun job on one node, all at their first gradient at once), no
+child is started: the one that starts the build takes ``paths.build_starter``'s lock and hands it to its child,
+which holds it until it exits; a process that finds it (or the build lock) held looks in the cache at the same
+pace, and starts a build only if that one ends without the glue (failed, killed). A process forked
 meanwhile (a ``fork`` worker) does not own that child: it looks in the cache, and starts a build of its own
 only when it needs one. Where the glue cannot be built or bound (no compiler), gradients keep the Python path,
 with one warning saying why; with ``OPB_CXX_AUTOGRAD=0`` they keep it silently.
@@ -51,7 +55,7 @@ from opbuilder.torchop.tracer import untraced
 
 _POLL_SECONDS = 0.25  # how often a call asks whether the background build has finished
 
-_state = "new"  # new -> building -> ready | off
+_state = "new"  # new -> building | waiting (another process builds it) -> ready | off
 _namespace: str | None = None  # the glue's torch.ops namespace, once loaded
 _build: subprocess.Popen | None = None
 _build_log: Any = None
@@ -80,7 +84,7 @@ def load(wait: bool = True, build: bool = True) -> bool:
     one warning."""
     if _state in ("ready", "off"):
         return _state == "ready"
-    if _state == "building" and not wait and time.monotonic() < _next_poll:
+    if (_state == "building" or _state == "waiting") and not wait and time.monotonic() < _next_poll:
         return False  # the background build was asked less than a poll ago: one clock read
     with _lock:
         return _load(wait, build)
@@ -114,13 +118,25 @@ def _load(wait: bool, build: bool = True) -> bool:
             if reasons:
                 _off("; ".join(reasons))
                 return False
+            if _built_elsewhere(builder):
+                _state, _next_poll = "waiting", time.monotonic() + _POLL_SECONDS
+                return False
             _start_build(builder.key)
             return False
-        # building
         now = time.monotonic()
         if now < _next_poll and not wait:
             return False
         _next_poll = now + _POLL_SECONDS
+        if _state == "waiting":  # for another process's build
+            builder = _builder()
+            handle = builder.load() if wait else loader.load_cached(builder.name, builder.key)[0]
+            if handle is not None:
+                _namespace, _state = handle.name, "ready"
+                return True
+            if build and not _built_elsewhere(builder):  # it ended without the glue (failed, killed): ours now
+                _start_build(builder.key)
+            return False
+        # building
         if wait:
             _build.wait()
         elif _build.poll() is None:
@@ -141,17 +157,55 @@ def _load(wait: bool, build: bool = True) -> bool:
         return False
 
 
+def _built_elsewhere(builder: Any) -> bool:
+    """Whether another process builds the glue now: its background build (the starter lock) or a build in a
+    process (the key's build lock). False where the locks cannot be asked (a build then says why, as before)."""
+    from opbuilder import paths
+    from opbuilder.jit import cache
+    from opbuilder.jit.locks import FileLock, Timeout
+
+    for path in (paths.build_starter(builder.name, builder.key), paths.lock(builder.name, builder.key)):
+        lock = FileLock(path, mode=cache.lock_mode())
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return True
+        except Exception:  # noqa: BLE001 (a cache this process cannot lock in: its own build reports it)
+            return False
+        lock.release()
+    return False
+
+
 def _start_build(key: str) -> None:
     """Start the background build of the glue whose key is ``key``: a child process that imports the opbuilder
     this process imported (``_child_path``), builds into the cache and refuses to build a glue of another key. A
     daemon thread waits for it, so that it never lingers as a zombie; at exit, a build still running is left to
     finish (for the next process) without a warning."""
     global _state, _build, _build_log, _next_poll
+    from opbuilder import paths
+    from opbuilder.jit import cache
+    from opbuilder.jit.locks import FileLock, Timeout
+
+    starter: int | None = None  # the starter lock's descriptor, for the child to hold until it exits
+    lock = FileLock(paths.build_starter(_builder().name, key), mode=cache.lock_mode())
+    try:
+        lock.acquire(timeout=0)
+        starter = lock.detach()
+    except Timeout:  # another process started one a moment ago: wait for it
+        _state, _next_poll = "waiting", time.monotonic() + _POLL_SECONDS
+        return
+    except Exception:  # noqa: BLE001 (no lock there: the build itself says why it cannot build in that cache)
+        pass
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(_child_path())
-    _build_log = tempfile.TemporaryFile()
-    _build = subprocess.Popen([sys.executable, "-c", _CHILD, key], stdin=subprocess.DEVNULL, stdout=_build_log,
-                              stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    try:
+        _build_log = tempfile.TemporaryFile()
+        _build = subprocess.Popen([sys.executable, "-c", _CHILD, key], stdin=subprocess.DEVNULL, stdout=_build_log,
+                                  stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
+                                  pass_fds=() if starter is None else (starter,))
+    finally:
+        if starter is not None:
+            os.close(starter)  # this process's copy, not unlocked: the child's holds the lock now
     threading.Thread(target=_build.wait, name="opbuilder-glue-build", daemon=True).start()
     _state, _next_poll = "building", time.monotonic() + _POLL_SECONDS
 
@@ -335,7 +389,8 @@ def _reset_eager_ops() -> None:
 
 
 def state() -> str:
-    """``new``, ``building``, ``ready`` or ``off``: where this process's C++ gradient path stands."""
+    """``new``, ``building`` (a child of this process builds the glue), ``waiting`` (another process does),
+    ``ready`` or ``off``: where this process's C++ gradient path stands."""
     return _state
 
 

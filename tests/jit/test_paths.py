@@ -21,6 +21,7 @@ def test_the_docstring_lists_every_entry_of_the_cache(monkeypatch: pytest.Monkey
         "work_lock": paths.work_lock(paths.work_dir("<op>", "<hash>")), "slots_dir": paths.slots_dir(),
         "compilers": paths.compilers(), "trace": paths.trace("<op>", "<key>"), "check": paths.trace("<op>", "<key>", "check"),
         "key_memo": paths.key_memo("<op>"), "trace_lock": paths.trace_lock("<op>", "<key>"),
+        "build_starter": paths.build_starter("<op>", "<key>"),
     }
     for name, path in entries.items():
         assert path.is_relative_to(tmp_path), name

@@ -236,3 +236,104 @@ def test_a_build_still_running_at_exit_warns_nothing() -> None:
     result = _interpreter(_AT_EXIT, flags=("-W", "default"))
     assert result.returncode == 0 and "started building" in result.stdout, result.stderr[-2000:]
     assert "ResourceWarning" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_build_by_another_process_is_waited_for_not_started_again(stand_in, fresh_cache: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a torchrun job reach their first gradient at once: where another process holds the glue's
+    build lock, no build child is started (each rank started one, a Python with torch that only waited on the
+    lock); calls look in the cache, and start a build only once that one has ended without the glue."""
+    from opbuilder.jit import cache
+    from opbuilder.jit.locks import FileLock
+
+    from opbuilder.jit import loader
+
+    monkeypatch.setattr(cxx_autograd, "_state", "new")
+    monkeypatch.setattr(loader, "load_cached", lambda name, key: (None, None))  # not in the cache (nor loaded here)
+    started: list[str] = []
+    monkeypatch.setattr(cxx_autograd, "_start_build", started.append)
+    builder = cxx_autograd._builder()
+    other = FileLock(cache.Slot(builder.name, builder.key).lock_path)
+    other.acquire()  # another process's build (another open file: flock tells the two apart in one process too)
+    try:
+        assert cxx_autograd.load(wait=False) is False
+        assert cxx_autograd.state() == "waiting" and started == []
+        for _ in range(3):
+            monkeypatch.setattr(cxx_autograd, "_next_poll", 0.0)
+            assert cxx_autograd.load(wait=False) is False
+        assert cxx_autograd.state() == "waiting" and started == []
+    finally:
+        other.release()
+    monkeypatch.setattr(cxx_autograd, "_next_poll", 0.0)
+    assert cxx_autograd.load(wait=False) is False  # that build ended, and no glue in the cache: this one builds
+    assert started == [builder.key]
+
+
+def test_the_build_child_holds_the_starter_lock_until_it_exits(stand_in, fresh_cache: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks reach their first gradient within a second, before a build child has imported torch and taken the
+    build lock: the process that starts the build takes the starter lock and hands it to its child (no copy kept),
+    so the next one waits instead of starting another."""
+    from opbuilder import paths
+    from opbuilder.jit.locks import FileLock, Timeout
+
+    monkeypatch.setattr(cxx_autograd, "_CHILD", "import time; time.sleep(60)")  # a build that takes its time
+    key = cxx_autograd._builder().key
+    cxx_autograd._start_build(key)
+    child = cxx_autograd._build
+    probe = FileLock(paths.build_starter("autograd", key))
+    try:
+        assert cxx_autograd.state() == "building"
+        with pytest.raises(Timeout):
+            probe.acquire(timeout=0)
+        monkeypatch.setattr(cxx_autograd, "_state", "new")  # as another process at its first gradient
+        cxx_autograd._start_build(key)
+        assert cxx_autograd.state() == "waiting" and cxx_autograd._build is child
+    finally:
+        child.kill()
+        child.wait()
+    probe.acquire(timeout=0)  # gone with the child: this process kept no copy of it
+    probe.release()
+
+
+_WAITING_RANK = """
+import sys, time, torch
+from opbuilder import ops
+from opbuilder.torchop import cxx_autograd
+layer = ops.FusedLinearReLU(8, 8)
+x = torch.randn(4, 8)
+layer(x).sum().backward()
+print("first", cxx_autograd.state(), flush=True)
+deadline = time.monotonic() + 120
+while cxx_autograd.state() == "waiting" and time.monotonic() < deadline:
+    time.sleep(0.05)
+    layer(x).sum().backward()
+print("then", cxx_autograd.state(), type(layer(x).grad_fn).__name__, flush=True)
+"""
+
+
+def test_a_rank_waiting_for_another_ranks_glue_loads_it_when_it_is_there(tmp_path: Path, cxx_autograd_glue: Path) -> None:
+    """End to end: a process whose glue another process is building (its lock held here) waits, starts no build,
+    and takes the C++ path once the glue is in the cache."""
+    from helpers import copy_builds
+    from opbuilder.builders.autograd import AutogradGlueBuilder
+    from opbuilder.jit.locks import FileLock
+
+    node = tmp_path / "cache"
+    copy_builds(cxx_autograd_glue, node, ["fused_matmul_add_relu"])
+    glue = AutogradGlueBuilder()
+    other = FileLock(node / glue.name / f"{glue.key}.lock")  # paths.lock under that cache
+    other.acquire()
+    env = {**os.environ, "OPB_CACHE_DIR": str(node), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _WAITING_RANK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=env)
+    try:
+        first = proc.stdout.readline()
+        assert first.strip() == "first waiting", (first, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+        copy_builds(cxx_autograd_glue, node, ["autograd"])  # the other process's build, published
+    finally:
+        other.release()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.startswith("then ready") and "Eager_" not in out, out
+    assert "building autograd" not in err and "Python path" not in err, err[-3000:]
