@@ -19,7 +19,8 @@ call asks whether it has finished at most every quarter second (one clock read o
 process already builds it (the ranks of a torchrun job on one node, all at their first gradient at once), no
 child is started: the one that starts the build takes ``paths.build_starter``'s lock and hands it to its child,
 which holds it until it exits; a process that finds it (or the build lock) held looks in the cache at the same
-pace, and starts a build only if that one ends without the glue (failed, killed). A process forked
+pace, and starts a build only if that one ends without the glue and without a failure (killed): a failure
+recorded while it waited turns its C++ path off with that failure's warning. A process forked
 meanwhile (a ``fork`` worker) does not own that child: it looks in the cache, and starts a build of its own
 only when it needs one. Where the glue cannot be built or bound (no compiler), gradients keep the Python path,
 with one warning saying why; with ``OPB_CXX_AUTOGRAD=0`` they keep it silently.
@@ -60,6 +61,7 @@ _namespace: str | None = None  # the glue's torch.ops namespace, once loaded
 _build: subprocess.Popen | None = None
 _build_log: Any = None
 _next_poll = 0.0
+_waiting_since = 0.0  # when this process began to wait for another process's build (time.time())
 _bound: dict[tuple[str, str], bool] = {}
 _lock = threading.RLock()  # first gradients recorded by several threads at once start one build
 
@@ -119,7 +121,7 @@ def _load(wait: bool, build: bool = True) -> bool:
                 _off("; ".join(reasons))
                 return False
             if _built_elsewhere(builder):
-                _state, _next_poll = "waiting", time.monotonic() + _POLL_SECONDS
+                _wait_elsewhere()
                 return False
             _start_build(builder.key)
             return False
@@ -133,7 +135,12 @@ def _load(wait: bool, build: bool = True) -> bool:
             if handle is not None:
                 _namespace, _state = handle.name, "ready"
                 return True
-            if build and not _built_elsewhere(builder):  # it ended without the glue (failed, killed): ours now
+            if _built_elsewhere(builder):
+                return False
+            failure = _failed_while_waiting(builder)
+            if failure is not None:
+                _off(failure)
+            elif build:  # it ended without the glue and said nothing (killed): ours now
                 _start_build(builder.key)
             return False
         # building
@@ -176,6 +183,27 @@ def _built_elsewhere(builder: Any) -> bool:
     return False
 
 
+def _wait_elsewhere() -> None:
+    global _state, _next_poll, _waiting_since
+    _state, _next_poll, _waiting_since = "waiting", time.monotonic() + _POLL_SECONDS, time.time()
+
+
+def _failed_while_waiting(builder: Any) -> str | None:
+    """Why the build this process waited for failed, from its failure record (None: no record written since this
+    process began to wait: it was killed, or failed before). Each waiting rank starting a build of its own after a
+    failure would build and fail again, one after the other."""
+    from opbuilder.jit import cache
+
+    failure = cache.read_failure(cache.Slot(builder.name, builder.key))
+    if failure is None or failure["time"] is None or failure["time"] < _waiting_since:
+        return None
+    from opbuilder.errors import BuildError
+
+    log = failure.get("log")
+    line = _one_line(BuildError(failure["message"] + (f"\nfull log: {log}" if log else "")))
+    return f"building its C++ glue failed: {line} (in process {failure.get('pid')}, while this one waited)"
+
+
 def _start_build(key: str) -> None:
     """Start the background build of the glue whose key is ``key``: a child process that imports the opbuilder
     this process imported (``_child_path``), builds into the cache and refuses to build a glue of another key. A
@@ -192,7 +220,7 @@ def _start_build(key: str) -> None:
         lock.acquire(timeout=0)
         starter = lock.detach()
     except Timeout:  # another process started one a moment ago: wait for it
-        _state, _next_poll = "waiting", time.monotonic() + _POLL_SECONDS
+        _wait_elsewhere()
         return
     except Exception:  # noqa: BLE001 (no lock there: the build itself says why it cannot build in that cache)
         pass

@@ -337,3 +337,56 @@ def test_a_rank_waiting_for_another_ranks_glue_loads_it_when_it_is_there(tmp_pat
     assert proc.returncode == 0, err[-3000:]
     assert out.startswith("then ready") and "Eager_" not in out, out
     assert "building autograd" not in err and "Python path" not in err, err[-3000:]
+
+
+def _wait_for_another_build(monkeypatch: pytest.MonkeyPatch, during: Callable[[], None]) -> list[str]:
+    """This process at its first gradient while another process builds the glue (its build lock held here);
+    ``during`` runs while that build runs, which then ends without the glue. Returns the builds this process
+    started."""
+    from opbuilder.jit import cache, loader
+    from opbuilder.jit.locks import FileLock
+
+    monkeypatch.setattr(cxx_autograd, "_state", "new")
+    monkeypatch.setattr(cxx_autograd, "_waiting_since", 0.0)
+    monkeypatch.setattr(loader, "load_cached", lambda name, key: (None, None))
+    started: list[str] = []
+    monkeypatch.setattr(cxx_autograd, "_start_build", started.append)
+    builder = cxx_autograd._builder()
+    other = FileLock(cache.Slot(builder.name, builder.key).lock_path)
+    other.acquire()
+    try:
+        assert cxx_autograd.load(wait=False) is False and cxx_autograd.state() == "waiting"
+        during()
+    finally:
+        other.release()
+    monkeypatch.setattr(cxx_autograd, "_next_poll", 0.0)
+    assert cxx_autograd.load(wait=False) is False
+    return started
+
+
+def test_a_build_that_failed_while_this_process_waited_is_not_built_again(stand_in, fresh_cache: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build the ranks waited for failed (its failure recorded): each rank ends on the Python path with one
+    warning saying why, in milliseconds, rather than each building it again (and failing) one after the other."""
+    from opbuilder.jit import cache
+
+    builder = cxx_autograd._builder()
+    message = "opbuilder: building op 'autograd' failed:\n  glue.cpp:1:1: error: induced"
+    fail = lambda: cache.record_failure(cache.Slot(builder.name, builder.key), message, "the log")  # noqa: E731
+    with pytest.warns(FallbackWarning) as got:
+        started = _wait_for_another_build(monkeypatch, fail)
+    assert started == [] and cxx_autograd.state() == "off"
+    assert len(got) == 1 and "glue.cpp:1:1: error: induced" in str(got[0].message), [str(w.message) for w in got]
+
+
+def test_a_failure_recorded_before_this_process_waited_does_not_stop_its_build(stand_in, fresh_cache: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure recorded before the wait is not the awaited build's (that one was killed, or the sources changed
+    since): this process builds it."""
+    from opbuilder.jit import cache
+
+    builder = cxx_autograd._builder()
+    cache.record_failure(cache.Slot(builder.name, builder.key), "opbuilder: an earlier failure", "")
+    time.sleep(0.01)  # the wait starts after it (time.time() has a coarse clock on some systems)
+    assert _wait_for_another_build(monkeypatch, lambda: None) == [builder.key]
+    assert cxx_autograd.state() == "waiting"
