@@ -62,6 +62,7 @@ _build: subprocess.Popen | None = None
 _build_log: Any = None
 _next_poll = 0.0
 _waiting_since = 0.0  # when this process began to wait for another process's build (time.time())
+_starter_fd: int | None = None  # the starter lock, from its taking to its handing to the build child
 _bound: dict[tuple[str, str], bool] = {}
 _lock = threading.RLock()  # first gradients recorded by several threads at once start one build
 
@@ -209,16 +210,15 @@ def _start_build(key: str) -> None:
     this process imported (``_child_path``), builds into the cache and refuses to build a glue of another key. A
     daemon thread waits for it, so that it never lingers as a zombie; at exit, a build still running is left to
     finish (for the next process) without a warning."""
-    global _state, _build, _build_log, _next_poll
+    global _state, _build, _build_log, _next_poll, _starter_fd
     from opbuilder import paths
     from opbuilder.jit import cache
     from opbuilder.jit.locks import FileLock, Timeout
 
-    starter: int | None = None  # the starter lock's descriptor, for the child to hold until it exits
     lock = FileLock(paths.build_starter(_builder().name, key), mode=cache.lock_mode())
     try:
         lock.acquire(timeout=0)
-        starter = lock.detach()
+        _starter_fd = lock.detach()  # for the child to hold until it exits (a fork meanwhile closes its copy)
     except Timeout:  # another process started one a moment ago: wait for it
         _wait_elsewhere()
         return
@@ -230,8 +230,9 @@ def _start_build(key: str) -> None:
         _build_log = tempfile.TemporaryFile()
         _build = subprocess.Popen([sys.executable, "-c", _CHILD, key], stdin=subprocess.DEVNULL, stdout=_build_log,
                                   stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
-                                  pass_fds=() if starter is None else (starter,))
+                                  pass_fds=() if _starter_fd is None else (_starter_fd,))
     finally:
+        starter, _starter_fd = _starter_fd, None
         if starter is not None:
             os.close(starter)  # this process's copy, not unlocked: the child's holds the lock now
     threading.Thread(target=_build.wait, name="opbuilder-glue-build", daemon=True).start()
@@ -300,8 +301,11 @@ def _after_fork_in_child() -> None:
     # A fork (a worker process) does not own the parent's build process, nor its waiting thread, nor a lock another
     # thread held: a new lock, and a process that finds the glue in the cache or builds it when it needs it.
     # Nothing here takes a lock another thread may have held at the fork (no warnings filter, no I/O but a close).
-    global _lock, _state, _build, _build_log
+    global _lock, _state, _build, _build_log, _starter_fd
     _lock = threading.RLock()
+    if _starter_fd is not None:  # another thread was starting a build: its starter lock is that build's to hold,
+        starter, _starter_fd = _starter_fd, None  # not this process's for its whole life (a DataLoader worker's)
+        os.close(starter)  # closed, not unlocked: unlocking would free it for the parent's build too
     if _build is not None:  # the parent's, whatever the state says (``disabled``, a fork inside _start_build)
         _foreign.append(_build)
         if _build_log is not None:

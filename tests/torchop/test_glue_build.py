@@ -390,3 +390,42 @@ def test_a_failure_recorded_before_this_process_waited_does_not_stop_its_build(s
     time.sleep(0.01)  # the wait starts after it (time.time() has a coarse clock on some systems)
     assert _wait_for_another_build(monkeypatch, lambda: None) == [builder.key]
     assert cxx_autograd.state() == "waiting"
+
+
+_FORK_AT_START = """
+import os, signal, subprocess, sys
+from opbuilder import paths
+from opbuilder.jit.locks import FileLock, Timeout
+from opbuilder.torchop import cxx_autograd as ca
+key = ca._builder().key
+real, workers = subprocess.Popen, []
+def popen(args, **kw):  # another thread forks a worker (a DataLoader's, for the whole run) while the build starts
+    if args[-1] != key:
+        return real(args, **kw)  # the toolchain's probes
+    pid = os.fork()
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    workers.append(pid)
+    return real([sys.executable, "-c", "pass"], **kw)  # a build that ends at once, without the glue
+ca.subprocess.Popen = popen
+ca._start_build(key)
+ca._build.wait()
+probe = FileLock(paths.build_starter("autograd", key))
+try:
+    probe.acquire(timeout=0)
+    print("free", flush=True)
+except Timeout:
+    print("held", flush=True)
+os.kill(workers[0], signal.SIGKILL)
+os.waitpid(workers[0], 0)
+"""
+
+
+def test_a_worker_forked_while_the_build_starts_does_not_hold_its_starter_lock(fresh_cache: Path) -> None:
+    """A process forked between the taking of the starter lock and its handing to the build child got a copy of
+    it, and held it for its life: once that build had ended without the glue, the other ranks waited for it for
+    ever (on the Python path, without a warning)."""
+    result = _interpreter(_FORK_AT_START)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "free", result.stdout + result.stderr[-2000:]
