@@ -319,7 +319,10 @@ def test_a_rank_waiting_for_another_ranks_glue_loads_it_when_it_is_there(tmp_pat
     from opbuilder.builders.autograd import AutogradGlueBuilder
     from opbuilder.jit.locks import FileLock
 
+    import opbuilder
+
     node = tmp_path / "cache"
+    opbuilder.prepare(["fused_matmul_add_relu"])  # in the run's cache (usually built there already)
     copy_builds(cxx_autograd_glue, node, ["fused_matmul_add_relu"])
     glue = AutogradGlueBuilder()
     other = FileLock(node / glue.name / f"{glue.key}.lock")  # paths.lock under that cache
