@@ -90,7 +90,8 @@ def test_asking_about_a_running_build_between_polls_makes_nothing(stand_in, monk
     assert made == [] and cxx_autograd.state() == "building"
 
 
-def test_the_build_process_imports_this_processs_opbuilder_and_is_reaped(stand_in, monkeypatch) -> None:
+def test_the_build_process_imports_this_processs_opbuilder_and_is_reaped(stand_in, fresh_cache: Path,
+                                                                        monkeypatch) -> None:
     seen: dict = {}  # (stand_in: this process's glue state saved, restored after)
     real = subprocess.Popen
 
@@ -232,7 +233,7 @@ print("started", ca.state())
 """
 
 
-def test_a_build_still_running_at_exit_warns_nothing() -> None:
+def test_a_build_still_running_at_exit_warns_nothing(fresh_cache: Path) -> None:
     result = _interpreter(_AT_EXIT, flags=("-W", "default"))
     assert result.returncode == 0 and "started building" in result.stdout, result.stderr[-2000:]
     assert "ResourceWarning" not in result.stderr, result.stderr[-2000:]
