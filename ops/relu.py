@@ -84,22 +84,27 @@ def _register(ns: str) -> None:
     eager.register_autograd(f"{ns}::relu_mask_backward", backward_mask_backward,
                                     setup_context=setup_mask_backward)
 
-    # DTensor: relu keeps any layout. relu_mask's mask packs the sign bits of each rank's own piece of x:
-    # not a piece of the whole x's mask, and silent on how x was split. So it is made only beside a y
-    # split on dim 0 (an x split on another dim is moved to dim 0 first) or a whole y, and its backward
-    # takes a grad_y laid out like that y.
+    # DTensor: relu keeps any layout. relu_mask's mask packs the sign bits of each rank's own piece of x (in
+    # words padded per piece): not a piece of the whole x's mask, and silent on how x was split, so no
+    # redistribution of a mask (a gather, or a chunk of a whole one) gives the bits another layout needs. It is
+    # made beside a y split on dim 0 (on a 1-D mesh; an x split on another dim is moved to dim 0 first) or a
+    # whole y, and its backward takes the mask as it comes, with grad_y brought to that mask's layout.
     def mask_rule(x):
         from torch.distributed.tensor import Replicate, Shard  # called only once DTensor is imported
 
-        split = [([Shard(0), Shard(0)], [Shard(0)])] if x.ndim else []
+        split = [([Shard(0), Shard(0)], [Shard(0)])] if x.ndim and len(x.placements) == 1 else []
         return [([Replicate(), Replicate()], [Replicate()])] + split
 
     def mask_backward_rule(grad_y, mask):
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         # (grad_x, [grad_y, mask]); linear in grad_y, so a Partial grad_y may pass with a whole mask.
-        return [([Replicate()], [Replicate(), Replicate()]), ([Shard(0)], [Shard(0), Shard(0)]),
-                ([Partial()], [Partial(), Replicate()])]
+        if tuple(mask.placements) == (Shard(0),):
+            return [([Shard(0)], [Shard(0), Shard(0)])]
+        if all(isinstance(p, Replicate) for p in mask.placements):
+            return [([Replicate()], [Replicate(), Replicate()]), ([Partial()], [Partial(), Replicate()])]
+        raise ValueError(f"relu_mask_backward: a mask placed {tuple(mask.placements)} is not one relu_mask makes "
+                         "(Replicate, or Shard(0) on a 1-D mesh), and cannot be redistributed")
 
     lib = getattr(torch.ops, ns)
     sharding.elementwise(lib.relu.default)

@@ -223,8 +223,20 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
                                        distribute_tensor(ws, mesh, [R]))
         assert out.placements == h.placements == (R,), (out.placements, h.placements)
 
+    # relu_mask's mask holds each rank's own piece's bits, padded per piece: chunking a whole mask for a split
+    # grad_y, or gathering a split mask for a Partial one, gave wrong gradients (sizes that happen to match).
+    def mask_never_redistributed() -> None:
+        xm, gm = torch.randn(3, 50), torch.randn(3, 50)  # float32: a piece of 100 elements pads to 128 bits
+        want = relu_mask_backward_op()(gm, relu_mask_op()(xm)[1])
+        for px, grad in ((R, distribute_tensor(gm, mesh, [S(0)])), (S(0), partial_of(mesh, gm))):
+            _, mask = relu_mask_op()(distribute_tensor(xm, mesh, [px]))
+            got = relu_mask_backward_op()(grad, mask).full_tensor()  # float32: the Partial pieces' sum rounds
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), \
+                f"relu_mask_backward, x {px}, grad_y {grad.placements}: max diff {(got - want).abs().max().item()}"
+
     if mesh.ndim == 1:
         checks.run(f"{tag} backward ops on Partial gradients", partial_backwards)
+        checks.run(f"{tag} relu_mask: its mask is never redistributed", mask_never_redistributed)
         checks.run(f"{tag} layernorm backward, affine_grads True/False", layernorm_backward_both_ways)
         checks.run(f"{tag} row ops keep a split or gather the rows, never move a split", row_layouts)
 
