@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="256,1024,1024", metavar="DIM,HIDDEN,TOKENS")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=25)
-    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--out", type=Path, default=Path("build/profile"),
+                   help="folder for the profile_<label>.txt files (default build/profile, which git ignores)")
     p.add_argument("--compile", action="store_true", help="profile torch.compile of each whole model")
     args = p.parse_args(argv)
     dim, hidden, tokens = (int(v) for v in args.size.split(","))
