@@ -168,6 +168,12 @@ def _device(op: str, device: str | torch.device) -> torch.device:
     return parsed
 
 
+def _positive(op: str, flag: str, what: str, value: object) -> None:
+    """A ValueError naming ``flag`` unless ``value`` is a finite number > 0."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{op}: {flag} ({what}) must be a finite number > 0, got {value!r}")
+
+
 def check(op: str, device: str | torch.device = "cpu", names: list[str] | None = None,
           timeout_s: float = CALL_TIMEOUT_S) -> list[Row]:
     """One row per implementation and workload (the definition's for this device, then the edge shapes).
@@ -176,8 +182,7 @@ def check(op: str, device: str | torch.device = "cpu", names: list[str] | None =
     docstring says how, and when it cannot)."""
     env.validate()  # a variable to fix is an error before any verdict (a child's load would record it as one)
     device = _device(op, device)
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"{op}: --timeout (the seconds a call may take) must be a finite number > 0, got {timeout_s!r}")
+    _positive(op, "--timeout", "the seconds a call may take", timeout_s)
     definition = definitions.get(op)
     impls = [i for i in implementations.of(op) if names is None or i.name in names]
     isolated = device.type == "cpu" or _gpu_in_a_child(op)
@@ -407,9 +412,7 @@ def tune(op: str, device: str | torch.device = "cpu", budget_ms: float = 200.0,
     from opbuilder.dispatch.timing import CpuTimer, CudaTimer
 
     device = _device(op, device)
-    if not (isinstance(budget_ms, (int, float)) and math.isfinite(budget_ms) and budget_ms > 0):
-        raise ValueError(f"{op}: --budget-ms (the time budget per implementation and workload) must be a finite "
-                         f"number > 0, got {budget_ms!r}")
+    _positive(op, "--budget-ms", "the time budget per implementation and workload", budget_ms)
     rows = check(op, device, timeout_s=timeout_s)
     timer = CpuTimer(budget_ms=budget_ms, warmup_ms=budget_ms / 5) if device.type == "cpu" else \
         CudaTimer(device, budget_ms=budget_ms, warmup_ms=budget_ms / 5)
