@@ -110,8 +110,6 @@ def create(name: str, directory: Path, cuda: bool, abi: str = ABIS[0]) -> list[P
     check_name(name)
     check_abi(abi)
     root = Path(directory) / name
-    if root.exists():
-        raise FileExistsError(f"opbuilder new: {root} already exists; pick another NAME or --dir")
     try:
         root.mkdir(parents=True)  # ours from here: removed whole if a file cannot be written
     except FileExistsError:
