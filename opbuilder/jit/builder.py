@@ -36,6 +36,11 @@ _STABLE_MARKERS, _CLASSIC_MARKERS = fingerprint.STABLE_MARKERS, fingerprint.CLAS
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NAME_MAX = 100  # a folder name may have 255 bytes; the op's work folders add a hash to it
 
+
+def is_op_name(name: object) -> bool:
+    """Whether ``name`` can name an op: letters, digits and '_' (not starting with a digit), at most 100."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None and len(name) <= _NAME_MAX
+
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
@@ -125,7 +130,7 @@ class OpBuilder:
         self.name = name or self.NAME
         if not self.name:
             raise ValueError(f"{type(self).__name__}: set NAME (the op's name) or pass name=")
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name) or len(self.name) > _NAME_MAX:
+        if not is_op_name(self.name):
             label = f"{type(self).__name__}.NAME" if not name else f"{type(self).__name__}(name=...)"
             hint = re.sub(r"[^A-Za-z0-9_]+", "_", str(self.name)).strip("_")
             hint = f"op_{hint}" if hint[:1].isdigit() else hint

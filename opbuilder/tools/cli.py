@@ -339,9 +339,9 @@ def _compile_check(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    from opbuilder.jit.builder import _NAME
+    from opbuilder.jit.builder import is_op_name
 
-    bad = [op for op in args.ops if not _NAME.fullmatch(op)]
+    bad = [op for op in args.ops if not is_op_name(op)]
     if bad:  # a path would name a folder outside the cache (root / "/abs" is "/abs"), and its builds would go
         _err(f"opbuilder clean: OP must be an op's name (letters, digits and '_', as in the cache's folders), "
              f"got {', '.join(map(repr, bad))}")
