@@ -76,12 +76,14 @@ def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs_shape: torch.Size, 
 def _register(ns: str) -> None:
     # The fakes are the Meta kernels too: a call mixing the meta device with another comes to them, not to
     # the other device's kernel and its checks, so they check the devices (the function's usual path
-    # leaves the checks to the op).
+    # leaves the checks to the op). They check the shapes too: DTensor gives them the whole shapes, and the
+    # op then checks only each rank's piece, where a bias or batch that fits no whole output may fit.
     # .nograd: the forward without an autograd formula, for calls that record no gradient (opbuilder.torchop.eager).
     @fakes.register_fake(f"{ns}::{_OP}.nograd")
     @fakes.register_fake(f"{ns}::{_OP}")
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _check_devices(lhs, rhs, bias)
+        _check_shapes(lhs, rhs, bias)
         return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
 
     def setup_context(ctx, inputs, output) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import opbuilder.ops as ops
 from opbuilder.ops.fused_add_rmsnorm import fused_add_rmsnorm_backward_op
-from opbuilder.ops.fused_matmul_add_relu import relu_bias_backward_op
+from opbuilder.ops.fused_matmul_add_relu import fused_matmul_add_relu_op, relu_bias_backward_op
 from opbuilder.ops.fused_relu_layernorm import fused_relu_layernorm_backward_op, fused_relu_layernorm_op
 from opbuilder.ops.relu import relu_mask_backward_op, relu_mask_op
 from opbuilder.ops.softmax import backward_op as softmax_backward_op
@@ -234,8 +234,26 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), \
                 f"relu_mask_backward, x {px}, grad_y {grad.placements}: max diff {(got - want).abs().max().item()}"
 
+    # The matmul op's shapes are checked whole, not only each rank's piece: a bias or a batch that does not fit
+    # the whole output fitted every piece here (a result where the whole tensors are refused).
+    def matmul_op_checks_whole_shapes() -> None:
+        n = mesh.size()
+        lhs2, rhs2, bias2 = torch.randn(3, 4, dtype=DTYPE), torch.randn(4, 2 * n, dtype=DTYPE), torch.randn(n, dtype=DTYPE)
+        lhs3, rhs3 = torch.randn(2 * n, 3, 4, dtype=DTYPE), torch.randn(n, 4, 5, dtype=DTYPE)
+        cases = [([lhs2, rhs2, bias2], [R, S(1), R], "bias must broadcast to the output's shape"),
+                 ([lhs3, rhs3, None], [S(0), S(0), None], "the batch dims of lhs and rhs must be equal or 1")]
+        for tensors, placements, message in cases:
+            args = [None if t is None else distribute_tensor(t, mesh, [p]) for t, p in zip(tensors, placements)]
+            try:
+                fused_matmul_add_relu_op()(*args)
+            except (RuntimeError, ValueError) as exc:
+                assert f"fused_matmul_add_relu: {message}" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"no error for {[None if t is None else list(t.shape) for t in tensors]}")
+
     if mesh.ndim == 1:
         checks.run(f"{tag} backward ops on Partial gradients", partial_backwards)
+        checks.run(f"{tag} matmul op: shapes checked whole", matmul_op_checks_whole_shapes)
         checks.run(f"{tag} relu_mask: its mask is never redistributed", mask_never_redistributed)
         checks.run(f"{tag} layernorm backward, affine_grads True/False", layernorm_backward_both_ways)
         checks.run(f"{tag} row ops keep a split or gather the rows, never move a split", row_layouts)
