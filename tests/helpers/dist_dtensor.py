@@ -14,6 +14,7 @@ is a failure too); the test reads them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from opbuilder.ops.fused_matmul_add_relu import fused_matmul_add_relu_op, relu_b
 from opbuilder.ops.fused_relu_layernorm import fused_relu_layernorm_backward_op, fused_relu_layernorm_op
 from opbuilder.ops.relu import relu_mask_backward_op, relu_mask_op
 from opbuilder.ops.softmax import backward_op as softmax_backward_op
+from opbuilder.torchop import cxx_autograd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import parallel_models  # noqa: E402  (benchmarks/ is no package)
@@ -251,9 +253,17 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
             else:
                 raise AssertionError(f"no error for {[None if t is None else list(t.shape) for t in tensors]}")
 
+    # An empty lhs split on its rows, on either gradient path (the Python one reshaped it, which DTensor refused).
+    def matmul_empty_rows() -> None:
+        tensors = [torch.randn(0, 4, dtype=DTYPE), torch.randn(4, 6, dtype=DTYPE), torch.randn(6, dtype=DTYPE)]
+        for path in (contextlib.nullcontext(), cxx_autograd.disabled()):
+            with path:
+                same_as_full(mesh, ops.fused_matmul_add_relu, tensors, [[S(0)], [R], [R]])
+
     if mesh.ndim == 1:
         checks.run(f"{tag} backward ops on Partial gradients", partial_backwards)
         checks.run(f"{tag} matmul op: shapes checked whole", matmul_op_checks_whole_shapes)
+        checks.run(f"{tag} matmul: an empty lhs split on its rows", matmul_empty_rows)
         checks.run(f"{tag} relu_mask: its mask is never redistributed", mask_never_redistributed)
         checks.run(f"{tag} layernorm backward, affine_grads True/False", layernorm_backward_both_ways)
         checks.run(f"{tag} row ops keep a split or gather the rows, never move a split", row_layouts)
