@@ -118,8 +118,10 @@ def share(path: Path, folder: bool = False) -> None:
 
 
 def lock_mode() -> int:
-    """The mode of a new lock file: in a shared cache the others must be able to take it too."""
-    return (0o666 & ~_umask()) if env.trust_shared_cache() else 0o644
+    """The mode of a new lock file: in a shared cache the group's to take whatever the umask (others as it
+    allows). A lock file holds nothing and is never replaced: one made 0644 by a process run once under umask 022
+    would refuse every later writer of its key in the group, for good, where its other files are replaced."""
+    return (0o660 | (0o666 & ~_umask())) if env.trust_shared_cache() else 0o644
 
 
 def _refuse(path: str | Path, problem: str) -> CacheError:

@@ -43,17 +43,17 @@ def unsupported_message(path: Path, exc: OSError) -> str:
 
 
 class FileLock:
-    """An exclusive ``flock`` on ``path`` (created with ``mode`` when missing, its folder as
-    ``cache.ensure_dir`` makes one; never opened through a symbolic link).
+    """An exclusive ``flock`` on ``path`` (created with ``mode`` when missing, by default ``cache.lock_mode()``,
+    its folder as ``cache.ensure_dir`` makes one; never opened through a symbolic link).
 
     ``acquire(timeout)`` raises Timeout when another process holds it that long (None: wait as long as it
     takes), LockUnsupported when locks cannot work there, CacheError when the file cannot be opened.
     Used as a context manager it waits as long as it takes.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: int = 0o644) -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: int | None = None) -> None:
         self.path = Path(path)
-        self.mode = mode
+        self.mode = cache.lock_mode() if mode is None else mode
         self._fd: int | None = None
 
     def _open(self) -> int:

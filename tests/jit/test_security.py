@@ -348,3 +348,64 @@ def test_the_second_user_test_passes_from_a_checkout_in_a_private_folder(tmp_pat
                             env={k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}, timeout=900)
     assert result.stdout.startswith("700\n"), result.stdout[-2000:] + result.stderr[-2000:]
     assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+# Writes a trace of one key (its lock first): what a check or tune stores.
+WRITE_TRACE = """
+from opbuilder.dispatch import trace
+row = {"implementation": "x", "device": "cpu", "device_name": trace.device_name("cpu"), "dtype": "float32",
+       "status": "PASSED", "bucket": [3, True], "us": 1.0}
+print("WROTE", trace.write("shared_trace", {"x": "k"}, [row]))
+"""
+
+
+@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_lock_made_under_a_narrow_umask_is_still_the_groups_to_take(umask: int) -> None:
+    """In a shared cache, a process run once under umask 022 (or 077) made the trace's lock 0644 (0600) in a folder
+    the group may write: the lock file stays, and every later write of that key by the group's other users failed
+    (PermissionError opening it), though they may replace the trace itself."""
+    base = Path(tempfile.mkdtemp(prefix="opb-shared-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        home = base / "home"
+        home.mkdir()
+        os.chown(home, OTHER_UID, OTHER_UID)
+        shared = base / "cache"
+        shared.mkdir()
+        os.chown(shared, 0, OTHER_UID)
+        shared.chmod(0o2775)
+        env = {"OPB_CACHE_DIR": str(shared), "OPB_TRUST_SHARED_CACHE": "1"}
+        folder = shared / "traces" / "shared_trace"
+        folder.mkdir(parents=True)  # made under umask 002, as the README asks
+        for path in (folder.parent, folder):
+            path.chmod(0o2775)
+
+        first = subprocess.run([sys.executable, "-c", WRITE_TRACE], capture_output=True, text=True, cwd=base,
+                               env={**os.environ, **env}, preexec_fn=lambda: os.umask(umask), timeout=600)
+        assert first.returncode == 0 and "WROTE" in first.stdout, first.stderr[-2000:]
+        second = _as_other_user(WRITE_TRACE, home, **env)
+        assert second.returncode == 0 and "WROTE" in second.stdout, second.stderr[-2000:]
+        (lock,) = folder.glob("*.lock")
+        assert lock.stat().st_uid == 0 and lock.stat().st_mode & 0o777 == 0o660 | (0o666 & ~umask), oct(lock.stat().st_mode)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_opbuilder_clean_makes_its_locks_as_builds_do(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``opbuilder clean`` takes the lock of each key it removes, making it where there is none: in a shared cache
+    it was made 0644 (FileLock's own default), which the group's other users could not open to build that key."""
+    from opbuilder.jit import cache
+    from opbuilder.tools import cli
+
+    monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", "1")
+    slot = cache.Slot("my_user_op", "a" * 20)
+    cache.record_failure(slot, "failed", "log")  # a failed build whose lock file was removed since
+    before = os.umask(0o002)
+    try:
+        assert cli.main(["clean", "my_user_op"]) == 0
+        made = slot.lock_path.stat().st_mode & 0o777
+        assert made == cache.lock_mode() == 0o664, oct(made)
+    finally:
+        os.umask(before)
+    assert not slot.failure_path.exists()
