@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, dispatch_userop
+from helpers import dispatch_userop
+from helpers.dispatch_userop import USEROP_DIR
 from opbuilder.dispatch import check, router as dispatch, trace
 from opbuilder.errors import BuildError, FallbackWarning
-
-USEROP_DIR = ROOT / "build" / "dispatch-userop"
 
 
 def _x(rows: int, width: int) -> torch.Tensor:

@@ -20,9 +20,7 @@ def _x(rows: int, width: int) -> torch.Tensor:
 
 def _tuned(op: str, impls: dict, fastest: str) -> None:
     """``op``: the user op of the dispatch tests with ``impls`` (Python), a tune saved where ``fastest`` wins."""
-    from test_dispatch_robust import _variant
-
-    _variant(op, impls)
+    dispatch_userop.variant(op, impls)
     rows = [replace(r, us=1.0 if r.implementation == fastest else 9.0) for r in check.check(op)]
     check.save(op, rows, "tune")
 

@@ -19,10 +19,9 @@ import torch
 
 from helpers import dispatch_userop
 from helpers import ROOT
+from helpers.dispatch_userop import USEROP_DIR, variant
 from opbuilder.dispatch import check, router as dispatch, trace
 from opbuilder.tools import dispatch_report
-
-USEROP_DIR = ROOT / "build" / "dispatch-userop"
 
 
 def _x(rows: int, width: int) -> torch.Tensor:
@@ -62,32 +61,13 @@ def test_a_newer_failed_check_overrides_an_older_tune() -> None:
     assert fn.pick(x) == "v2"
 
 
-def _variant(op: str, impls: dict, make_inputs=None, reference=None) -> str:
-    """``op``: the user op's definition (its workloads and edges) with Python implementations, in order."""
-    from opbuilder.dispatch import definitions, implementations
-
-    base = definitions.get("twice_plus_one_v1v2") if "twice_plus_one_v1v2" in definitions._DEFINITIONS else None
-    if base is None:
-        dispatch_userop.define("twice_plus_one_v1v2", USEROP_DIR, ("v1", "v2"))
-        base = definitions.get("twice_plus_one_v1v2")
-    changes = {"name": op}
-    if make_inputs is not None:
-        changes["make_inputs"] = make_inputs
-    if reference is not None:
-        changes["reference"] = reference
-    definitions.register(replace(base, **changes))
-    for name, fn in impls.items():
-        implementations.register(op, implementations.python(name, fn))
-    return op
-
-
 def test_an_implementation_that_writes_into_its_input_is_flagged_and_fools_no_other() -> None:
     """Each implementation gets its own copies of the inputs: one that writes into x is MUTATES_INPUT (even
     though its output is right), and the correct one checked after it passes."""
     def in_place(x: torch.Tensor) -> torch.Tensor:
         return x.mul_(2).add_(1)
 
-    op = _variant("twice_plus_one_in_place", {"in place": in_place, "good": dispatch_userop.reference})
+    op = variant("twice_plus_one_in_place", {"in place": in_place, "good": dispatch_userop.reference})
     rows = check.check(op)
     status = {(r.implementation, r.workload): r for r in rows}
     for w in ("8x64", "7x111", "4096x64", "one row", "odd widths"):
@@ -119,9 +99,9 @@ def test_infinities_in_the_reference_are_compared_exactly() -> None:
             return torch.where(y == float("-inf"), torch.full_like(y, value), y)
         return impl
 
-    op = _variant("masked_log_softmax", {"exact": _masked_log_softmax, "nan": with_value(float("nan")),
-                                         "zero": with_value(0.0), "+inf": with_value(float("inf"))},
-                  make_inputs=_masked_rows, reference=_masked_log_softmax)
+    op = variant("masked_log_softmax", {"exact": _masked_log_softmax, "nan": with_value(float("nan")),
+                                        "zero": with_value(0.0), "+inf": with_value(float("inf"))},
+                 make_inputs=_masked_rows, reference=_masked_log_softmax)
     status = {(r.implementation, r.workload): r.status for r in check.check(op)}
     for w in ("8x64", "7x111", "4096x64", "odd widths"):
         assert status["exact", w] == "PASSED", w
@@ -144,7 +124,7 @@ def test_a_default_that_failed_odd_widths_gets_no_odd_width_call() -> None:
 
 
 def test_a_default_that_failed_every_workload_gets_no_call() -> None:
-    op = _variant("twice_plus_one_all_wrong", {"wrong": lambda x: x * 3, "good": dispatch_userop.reference})
+    op = variant("twice_plus_one_all_wrong", {"wrong": lambda x: x * 3, "good": dispatch_userop.reference})
     check.save(op, check.check(op), "check")
     fn = dispatch.apply(op)(dispatch_userop.reference)
     for x in (_x(8, 64), _x(3, 111), _x(2, 8), _x(5, 16).double(), _x(5, 16).half(), torch.randn(3)):
@@ -157,7 +137,7 @@ def test_a_default_that_failed_every_workload_gets_no_call() -> None:
 def _wrong_is_fastest(op: str) -> str:
     """``op`` with a slow right implementation (the default) and a fast wrong one, and a tune trace that
     says the wrong one passed and is the fastest everywhere (what a planted trace would say)."""
-    _variant(op, {"right": dispatch_userop.reference, "fast wrong": lambda x: x * 3})
+    variant(op, {"right": dispatch_userop.reference, "fast wrong": lambda x: x * 3})
     rows = [replace(r, status="PASSED", us=1.0 if r.implementation == "fast wrong" else 9.0) for r in check.check(op)]
     check.save(op, rows, "tune")
     return op
@@ -278,7 +258,7 @@ def test_an_op_name_that_is_not_one_folder_is_refused(fresh_cache, name: str) ->
 
 
 def test_apply_with_a_keyword_argument_once_a_trace_exists() -> None:
-    op = _variant("twice_plus_one_keyword", {"v": dispatch_userop.reference, "w": lambda x: 2 * x + 1})
+    op = variant("twice_plus_one_keyword", {"v": dispatch_userop.reference, "w": lambda x: 2 * x + 1})
     rows = [replace(r, us=1.0 if r.implementation == "w" else 9.0) for r in check.check(op)]
     check.save(op, rows, "tune")
     fn = dispatch.apply(op)(dispatch_userop.reference)
@@ -290,7 +270,7 @@ def test_apply_with_a_keyword_argument_once_a_trace_exists() -> None:
 def test_traces_in_a_shared_cache_are_readable_by_the_group(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
     """OPB_TRUST_SHARED_CACHE=1 under umask 002: the trace and its folders are the group's to read, so a
     teammate's tune is used; without it, they are private."""
-    op = _variant("twice_plus_one_shared", {"v": dispatch_userop.reference})
+    op = variant("twice_plus_one_shared", {"v": dispatch_userop.reference})
     rows = check.check(op)
     old = os.umask(0o002)
     try:

@@ -8,12 +8,17 @@ test cache: the cache key hashes the sources, and these never change between run
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from helpers import ROOT
 from opbuilder.dispatch import definitions
 from opbuilder.dispatch import implementations as impls
+
+#: Where the dispatch tests write the op (see above).
+USEROP_DIR = ROOT / "build" / "dispatch-userop"
 
 BUILDERS = '''
 from opbuilder import OpBuilder
@@ -109,3 +114,20 @@ def define(op: str, root: Path, versions: tuple[str, ...]) -> None:
     for name in versions:
         impls.register(op, impls.compiled(name, classes[name](), "twice_plus_one"))
     impls.register(op, impls.reference(reference))
+
+
+def variant(op: str, implementations: dict, make_inputs=None, reference=None) -> str:
+    """``op``: the user op's definition (its workloads and edges) with Python implementations, in order."""
+    base = definitions.get("twice_plus_one_v1v2") if "twice_plus_one_v1v2" in definitions._DEFINITIONS else None
+    if base is None:
+        define("twice_plus_one_v1v2", USEROP_DIR, ("v1", "v2"))
+        base = definitions.get("twice_plus_one_v1v2")
+    changes = {"name": op}
+    if make_inputs is not None:
+        changes["make_inputs"] = make_inputs
+    if reference is not None:
+        changes["reference"] = reference
+    definitions.register(replace(base, **changes))
+    for name, fn in implementations.items():
+        impls.register(op, impls.python(name, fn))
+    return op
