@@ -161,7 +161,17 @@ using opb::fused_matmul_add_relu::Matrix;
 using opb::fused_matmul_add_relu::Problem;
 using opb::fused_matmul_add_relu::Status;
 
-constexpr int64_t kWorkspaceBytes = int64_t(32) << 20;
+// The launcher's workspace, from torch's caching allocator (stream-ordered: cheap, and CUDA graphs can
+// capture it), made only when the chosen algorithm needs one and kept until the call returns.
+struct WorkspaceHolder {
+  const Tensor* like;
+  Tensor made;
+  static void* get(void* ctx, size_t bytes) {
+    auto* self = static_cast<WorkspaceHolder*>(ctx);
+    self->made = opb::new_tensor(*self->like, {static_cast<int64_t>(bytes)}, opb::ScalarType::Byte);
+    return self->made.mutable_data_ptr();
+  }
+};
 
 // Reads `t` (2-D or 3-D) as a batch of matrices cuBLAS can use in place: row-major or a transposed
 // view, any batch stride. False when it is neither (a copy is needed).
@@ -274,10 +284,8 @@ Tensor forward_cuda(Tensor lhs, Tensor rhs, std::optional<Tensor> bias) {
     p.c_batch_stride = 0;
   }
 
-  // From torch's caching allocator, stream-ordered: cheap per call, and CUDA graphs can capture it.
-  Tensor workspace = opb::new_tensor(lhs, {kWorkspaceBytes}, opb::ScalarType::Byte);
-  const auto result = opb::fused_matmul_add_relu::launch(p, workspace.mutable_data_ptr(),
-                                                         static_cast<size_t>(kWorkspaceBytes), opb::stream_of(lhs));
+  WorkspaceHolder holder{&lhs, {}};
+  const auto result = opb::fused_matmul_add_relu::launch(p, {&WorkspaceHolder::get, &holder}, opb::stream_of(lhs));
   if (result.status == Status::NotSupported) return forward_composed(lhs, rhs, bias);
   STD_TORCH_CHECK(result.status == Status::Ok, kOp, ": cuBLASLt matmul failed: ", result.message);
   return out;

@@ -122,6 +122,7 @@ struct KeyHash {
 struct Choice {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
+  size_t workspace_bytes = 0;  // what the algorithm needs, at most the preference's maximum
 };
 
 std::mutex cache_mutex;
@@ -207,15 +208,19 @@ cublasStatus_t choose(Choice* choice, const Key& key, cublasLtHandle_t handle, c
                                                      &result, &returned);
   if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) return st;
   choice->found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-  if (choice->found) choice->algo = result.algo;
+  if (choice->found) {
+    choice->algo = result.algo;
+    choice->workspace_bytes = result.workspaceSize;
+  }
   std::lock_guard<std::mutex> lock(cache_mutex);
   if (algo_cache.size() >= kMaxCached) algo_cache.clear();
   algo_cache.emplace(key, *choice);
   return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t run(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream, bool* found) {
+cublasStatus_t run(const Problem& p, const Workspace& workspace, cudaStream_t stream, bool* found) {
   *found = true;
+  constexpr size_t workspace_bytes = Workspace::kMaxBytes;
   cublasLtHandle_t handle = nullptr;
   OPB_CUBLAS_TRY(handle_for_current_device(&handle));
   int device = 0;
@@ -261,12 +266,16 @@ cublasStatus_t run(const Problem& p, void* workspace, size_t workspace_bytes, cu
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
 
+  // Only what the chosen algorithm asks for (small problems usually need none): each allocation is a
+  // dispatcher call in the binding, and a 32 MiB one per call also raised the peak memory.
+  void* ws = nullptr;
+  if (choice.workspace_bytes > 0) ws = workspace.get(workspace.ctx, choice.workspace_bytes);
   const float alpha32 = 1.f, beta32 = p.c ? 1.f : 0.f;
   const double alpha64 = 1.0, beta64 = p.c ? 1.0 : 0.0;
   const void* alpha = fp64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
   const void* beta = fp64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
   return cublasLtMatmul(handle, s->desc.d, alpha, p.rhs.data, s->a.d, p.lhs.data, s->b.d, beta, c_ptr, s->c_layout(),
-                        p.out, s->d.d, &choice.algo, workspace, workspace_bytes, stream);
+                        p.out, s->d.d, &choice.algo, ws, choice.workspace_bytes, stream);
 }
 
 bool fits_int32(const Problem& p) {
@@ -279,11 +288,11 @@ bool fits_int32(const Problem& p) {
 
 }  // namespace
 
-Result launch(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+Result launch(const Problem& p, const Workspace& workspace, cudaStream_t stream) {
   // cuBLASLt takes int32 sizes in practice; larger problems go to the caller's fallback.
   if (!fits_int32(p)) return {Status::NotSupported, "a size does not fit in int32"};
   bool found = true;
-  cublasStatus_t st = run(p, workspace, workspace_bytes, stream, &found);
+  cublasStatus_t st = run(p, workspace, stream, &found);
   if (!found || st == CUBLAS_STATUS_NOT_SUPPORTED) return {Status::NotSupported, cublasLtGetStatusString(st)};
   if (st != CUBLAS_STATUS_SUCCESS) return {Status::Failed, cublasLtGetStatusString(st)};
   cudaError_t err = cudaGetLastError();

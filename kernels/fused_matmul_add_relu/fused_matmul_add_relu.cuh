@@ -51,9 +51,17 @@ struct Result {
   const char* message;  // static text; empty when Ok
 };
 
+// Where a call's workspace comes from: `get(ctx, bytes)` returns device memory of at least `bytes`,
+// stream-ordered on the call's stream, valid until the call returns. Called only when the chosen
+// algorithm needs a workspace, with the bytes it needs (at most Workspace::kMaxBytes).
+struct Workspace {
+  static constexpr size_t kMaxBytes = size_t(32) << 20;
+  void* (*get)(void* ctx, size_t bytes) = nullptr;
+  void* ctx = nullptr;
+};
+
 // Runs `p` on `stream` with the current device's cuBLASLt handle (created once per device).
-// workspace: device memory of workspace_bytes, stream-ordered on `stream`.
-Result launch(const Problem& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+Result launch(const Problem& p, const Workspace& workspace, cudaStream_t stream);
 
 // Whether the cuBLAS handle `cublas_handle` (a cublasHandle_t: torch's current one) is in TF32 math mode,
 // which torch sets on its handle from torch.backends.cuda.matmul.allow_tf32 each time it hands it out.

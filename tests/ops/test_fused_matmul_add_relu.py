@@ -587,6 +587,24 @@ def test_cuda_same_problem_with_new_operands_each_call(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_call_takes_only_the_workspace_its_algorithm_needs(dtype):
+    # The launcher took a 32 MiB workspace from the caching allocator on every call, whatever the algorithm
+    # needed: one more dispatcher call a call, and 32 MiB more peak memory. A small problem needs little or none.
+    torch.manual_seed(18)
+    lhs, rhs, bias = make((16, 32), "cuda", dtype), make((32, 24), "cuda", dtype), make((24,), "cuda", dtype)
+    fused_matmul_add_relu(lhs, rhs, bias)  # the build, the handle and the algorithm's choice
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fused_matmul_add_relu(lhs, rhs, bias)
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - before
+    assert grew < 32 << 20, f"one call of a 16 x 32 x 24 problem raised the peak by {grew} bytes"
+    check_forward(out, lhs, rhs, bias)
+
+
+@requires_cuda
 def test_cuda_threads_calling_one_problem_at_once():
     # Each thread's calls must see their own bias while other threads run the same problem: the kept
     # descriptor (which holds the bias pointer) is per thread. The calls go back to back, unsynchronised (the
