@@ -228,13 +228,15 @@ def check_writable(op: str) -> None:
     from opbuilder.jit.locks import FileLock
 
     probe = paths.traces(op) / f".probe-{os.getpid()}"
+    written = False
     try:  # the folder too is made first: a full disk can refuse the file after it
         cache.write_text_atomic(probe, "a trace can be written here\n")
+        written = True
         lock = FileLock(probe)  # write locks the key's traces: flock must work in this folder
         lock.acquire(timeout=0)
         lock.release()
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        if written:  # unlinking a probe never written fails on a read-only cache, hiding the CacheError
             probe.unlink()
         with contextlib.suppress(OSError):  # an empty folder would count as a trace (any_for) until one is written
             probe.parent.rmdir()

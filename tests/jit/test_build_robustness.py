@@ -499,14 +499,18 @@ implementations.register("relu", implementations.python("spy", spy))
 
 @mounts.needs_mounts
 @pytest.mark.parametrize("command", ["check", "tune"])
-@pytest.mark.parametrize("state", ["full", "read-only"])
+@pytest.mark.parametrize("state", ["full", "read-only", "read-only-traced"])
 def test_check_and_tune_on_a_full_or_read_only_cache(command: str, state: str, tmp_path: Path) -> None:
-    """Refused before any implementation runs (the rows could not be stored), with the cache's error."""
+    """Refused before any implementation runs (the rows could not be stored), with the cache's error; also where
+    relu's traces folder exists already (an earlier tune's), so that only the probe file is refused."""
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
     quoted = shlex.quote(str(root))
     if state == "full":
         setup = f"mount -t tmpfs -o size=256k none {quoted} && (dd if=/dev/zero of={quoted}/filler bs=4k 2>/dev/null || true)"
+    elif state == "read-only-traced":
+        (root / "traces" / "relu").mkdir(parents=True)
+        setup = f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}"
     else:
         setup = f"mount --bind {quoted} {quoted} && mount -o remount,bind,ro {quoted}"
     project, marker = tmp_path / "project", tmp_path / "spy-ran"
@@ -527,5 +531,5 @@ def test_check_and_tune_on_a_full_or_read_only_cache(command: str, state: str, t
     left = next(ln for ln in result.stdout.splitlines() if ln.startswith("LEFT "))
     assert ".tmp-" not in left and ".probe-" not in left, left
     # an empty folder of relu's traces would count as a trace (trace.any_for) in every later process
-    assert "traces/relu" not in left, left
+    assert ("traces/relu" in left) == (state == "read-only-traced"), left
     assert not marker.exists(), f"{command} ran the implementations before finding that the cache cannot be written"
