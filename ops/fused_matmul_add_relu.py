@@ -84,7 +84,7 @@ def _register(ns: str) -> None:
     @fakes.register_fake(f"{ns}::{_OP}")
     def _(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _check_devices(lhs, rhs, bias)
-        _check_shapes(lhs, rhs, bias)
+        _check_traced_shapes(lhs, rhs, bias)
         return lhs.new_empty(_out_shape(lhs.shape, rhs.shape))
 
     def setup_context(ctx, inputs, output) -> None:
@@ -231,6 +231,20 @@ def _check_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | Non
                 f"{_OP}: bias must broadcast to the output's shape {out} (e.g. [N]=[{out[-1]}], [M, N] or the "
                 f"full shape), got {list(bias.shape)}"
             )
+
+
+def _check_traced_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """_check_shapes in the fakes, where a size may be known only at run time (unbacked: ``x[x > 0]`` under
+    torch.compile): a comparison that would have to guard on one is left to the op, which checks the real sizes."""
+    try:
+        _check_shapes(lhs, rhs, bias)
+    except ValueError:
+        raise
+    except RuntimeError as exc:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # imports sympy: only here
+
+        if not isinstance(exc, GuardOnDataDependentSymNode):
+            raise
 
 
 def fused_matmul_add_relu(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -479,6 +479,17 @@ def test_torch_compile_fullgraph_matches_eager(device):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+
+def test_torch_compile_rows_known_only_at_run_time():
+    # x[mask] under torch.compile has a row count the trace cannot compare (unbacked): the fake's shape check
+    # must not ask whether it is 1 (a [1, N] bias), which failed the compile; the op checks the real sizes.
+    torch.manual_seed(19)
+    x, w, bias = torch.randn(6, 8), torch.randn(8, 5), torch.randn(1, 5)
+    fn = lambda x: fused_matmul_add_relu(x[x[:, 0] > 0], w, bias)  # noqa: E731
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, fn(x))
+
 # ---- the layer ----------------------------------------------------------------------------------
 
 def test_layer_initialises_like_linear():
