@@ -55,6 +55,7 @@ class FileLock:
         self.path = Path(path)
         self.mode = cache.lock_mode() if mode is None else mode
         self._fd: int | None = None
+        self._read_only = False
 
     def _open(self) -> int:
         cache.ensure_dir(self.path.parent)
@@ -63,7 +64,7 @@ class FileLock:
             try:
                 fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, self.mode)
             except FileExistsError:
-                return os.open(self.path, flags)
+                return self._open_existing(flags)
             try:
                 os.fchmod(fd, self.mode)  # the mode asked for, not narrowed by the umask
             except OSError:
@@ -73,6 +74,16 @@ class FileLock:
             if exc.errno == errno.ELOOP:
                 cache.refuse_symlink(self.path)
             raise cache.cache_error(self.path, exc) from exc
+
+    def _open_existing(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags)
+        except PermissionError:
+            # A lock file another user made without the group's write bit (an older opbuilder, or another tool's
+            # umask): it holds nothing, and flock takes an exclusive lock through a read-only descriptor too.
+            fd = os.open(self.path, (flags & ~os.O_RDWR) | os.O_RDONLY)
+            self._read_only = True
+            return fd
 
     def _try(self, fd: int) -> bool:
         while True:
@@ -84,6 +95,9 @@ class FileLock:
             except OSError as exc:
                 if exc.errno in _BUSY:
                     return False
+                if exc.errno == errno.EBADF and self._read_only:
+                    # NFS emulates flock with POSIX locks, whose exclusive kind needs a descriptor open for writing.
+                    raise cache.cache_error(self.path, PermissionError(errno.EACCES, "cannot be opened for writing")) from exc
                 raise LockUnsupported(unsupported_message(self.path, exc)) from exc
 
     def acquire(self, timeout: float | None = None, poll: float = 0.05) -> None:

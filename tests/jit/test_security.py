@@ -392,6 +392,64 @@ def test_a_lock_made_under_a_narrow_umask_is_still_the_groups_to_take(umask: int
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
+def test_a_lock_file_the_group_may_only_read_is_still_taken() -> None:
+    """A lock file left 0644 by another user in a shared cache (an older opbuilder made them so, or another umask):
+    the group's other users may replace the trace beside it, yet opening the lock for writing refused them."""
+    base = Path(tempfile.mkdtemp(prefix="opb-shared-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        home = base / "home"
+        home.mkdir()
+        os.chown(home, OTHER_UID, OTHER_UID)
+        shared = base / "cache"
+        shared.mkdir()
+        os.chown(shared, 0, OTHER_UID)
+        shared.chmod(0o2775)
+        env = {"OPB_CACHE_DIR": str(shared), "OPB_TRUST_SHARED_CACHE": "1"}
+        folder = shared / "traces" / "shared_trace"
+        folder.mkdir(parents=True)
+        for path in (folder.parent, folder):
+            path.chmod(0o2775)
+        first = subprocess.run([sys.executable, "-c", WRITE_TRACE], capture_output=True, text=True, cwd=base,
+                               env={**os.environ, **env}, preexec_fn=lambda: os.umask(0o002), timeout=600)
+        assert first.returncode == 0 and "WROTE" in first.stdout, first.stderr[-2000:]
+        (lock,) = folder.glob("*.lock")
+        lock.chmod(0o644)
+        second = _as_other_user(WRITE_TRACE, home, **env)
+        assert second.returncode == 0 and "WROTE" in second.stdout, second.stderr[-2000:]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_read_only_lock_where_flock_needs_writing_names_the_file(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS flock is a POSIX lock, whose exclusive kind refuses a read-only descriptor (EBADF): the lock file the
+    group may only read is then a CacheError naming it, not "locks do not work on this filesystem"."""
+    import errno
+
+    from opbuilder.errors import CacheError
+    from opbuilder.jit import locks
+
+    path = tmp_path / "k.lock"
+    path.touch()
+    real_open = os.open
+
+    def open_(file, flags, *args):
+        if flags & os.O_RDWR and not flags & os.O_CREAT:  # the file exists: O_CREAT | O_EXCL fails as it should
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, flags, *args)
+
+    def flock(fd, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(locks.os, "open", open_)
+    monkeypatch.setattr(locks.fcntl, "flock", flock)
+    with pytest.raises(CacheError, match=r"k\.lock: Permission denied") as caught:
+        locks.FileLock(path).acquire(timeout=1)
+    assert not isinstance(caught.value, locks.LockUnsupported), caught.value
+
+
 def test_opbuilder_clean_makes_its_locks_as_builds_do(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``opbuilder clean`` takes the lock of each key it removes, making it where there is none: in a shared cache
     it was made 0644 (FileLock's own default), which the group's other users could not open to build that key."""
