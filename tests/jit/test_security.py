@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -359,12 +360,10 @@ print("WROTE", trace.write("shared_trace", {"x": "k"}, [row]))
 """
 
 
-@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
-@pytest.mark.parametrize("umask", [0o022, 0o077])
-def test_a_lock_made_under_a_narrow_umask_is_still_the_groups_to_take(umask: int) -> None:
-    """In a shared cache, a process run once under umask 022 (or 077) made the trace's lock 0644 (0600) in a folder
-    the group may write: the lock file stays, and every later write of that key by the group's other users failed
-    (PermissionError opening it), though they may replace the trace itself."""
+@pytest.fixture
+def shared_trace_folder() -> Iterator[tuple[Path, Path, dict[str, str]]]:
+    """A team cache as the README asks (the group's, setgid, made under umask 002) with a trace folder in it: the
+    folder, the other user's home and the environment of both users' processes."""
     base = Path(tempfile.mkdtemp(prefix="opb-shared-", dir="/tmp"))
     try:
         base.chmod(0o755)
@@ -375,51 +374,47 @@ def test_a_lock_made_under_a_narrow_umask_is_still_the_groups_to_take(umask: int
         shared.mkdir()
         os.chown(shared, 0, OTHER_UID)
         shared.chmod(0o2775)
-        env = {"OPB_CACHE_DIR": str(shared), "OPB_TRUST_SHARED_CACHE": "1"}
-        folder = shared / "traces" / "shared_trace"
-        folder.mkdir(parents=True)  # made under umask 002, as the README asks
-        for path in (folder.parent, folder):
-            path.chmod(0o2775)
-
-        first = subprocess.run([sys.executable, "-c", WRITE_TRACE], capture_output=True, text=True, cwd=base,
-                               env={**os.environ, **env}, preexec_fn=lambda: os.umask(umask), timeout=600)
-        assert first.returncode == 0 and "WROTE" in first.stdout, first.stderr[-2000:]
-        second = _as_other_user(WRITE_TRACE, home, **env)
-        assert second.returncode == 0 and "WROTE" in second.stdout, second.stderr[-2000:]
-        (lock,) = folder.glob("*.lock")
-        assert lock.stat().st_uid == 0 and lock.stat().st_mode & 0o777 == 0o660 | (0o666 & ~umask), oct(lock.stat().st_mode)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
-def test_a_lock_file_the_group_may_only_read_is_still_taken() -> None:
-    """A lock file left 0644 by another user in a shared cache (an older opbuilder made them so, or another umask):
-    the group's other users may replace the trace beside it, yet opening the lock for writing refused them."""
-    base = Path(tempfile.mkdtemp(prefix="opb-shared-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        home = base / "home"
-        home.mkdir()
-        os.chown(home, OTHER_UID, OTHER_UID)
-        shared = base / "cache"
-        shared.mkdir()
-        os.chown(shared, 0, OTHER_UID)
-        shared.chmod(0o2775)
-        env = {"OPB_CACHE_DIR": str(shared), "OPB_TRUST_SHARED_CACHE": "1"}
         folder = shared / "traces" / "shared_trace"
         folder.mkdir(parents=True)
         for path in (folder.parent, folder):
             path.chmod(0o2775)
-        first = subprocess.run([sys.executable, "-c", WRITE_TRACE], capture_output=True, text=True, cwd=base,
-                               env={**os.environ, **env}, preexec_fn=lambda: os.umask(0o002), timeout=600)
-        assert first.returncode == 0 and "WROTE" in first.stdout, first.stderr[-2000:]
-        (lock,) = folder.glob("*.lock")
-        lock.chmod(0o644)
-        second = _as_other_user(WRITE_TRACE, home, **env)
-        assert second.returncode == 0 and "WROTE" in second.stdout, second.stderr[-2000:]
+        yield folder, home, {"OPB_CACHE_DIR": str(shared), "OPB_TRUST_SHARED_CACHE": "1"}
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _write_trace_as_root(folder: Path, env: dict[str, str], umask: int) -> Path:
+    """The first writer of the trace, under ``umask``; the lock file it made."""
+    first = subprocess.run([sys.executable, "-c", WRITE_TRACE], capture_output=True, text=True, cwd=folder.parents[2],
+                           env={**os.environ, **env}, preexec_fn=lambda: os.umask(umask), timeout=600)
+    assert first.returncode == 0 and "WROTE" in first.stdout, first.stderr[-2000:]
+    (lock,) = folder.glob("*.lock")
+    return lock
+
+
+@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_lock_made_under_a_narrow_umask_is_still_the_groups_to_take(
+        umask: int, shared_trace_folder: tuple[Path, Path, dict[str, str]]) -> None:
+    """In a shared cache, a process run once under umask 022 (or 077) made the trace's lock 0644 (0600) in a folder
+    the group may write: the lock file stays, and every later write of that key by the group's other users failed
+    (PermissionError opening it), though they may replace the trace itself."""
+    folder, home, env = shared_trace_folder
+    lock = _write_trace_as_root(folder, env, umask)
+    second = _as_other_user(WRITE_TRACE, home, **env)
+    assert second.returncode == 0 and "WROTE" in second.stdout, second.stderr[-2000:]
+    assert lock.stat().st_uid == 0 and lock.stat().st_mode & 0o777 == 0o660 | (0o666 & ~umask), oct(lock.stat().st_mode)
+
+
+@pytest.mark.skipif(not _can_switch_user(), reason="needs root, setpriv(1) and unshare(1) allowed to mount")
+def test_a_lock_file_the_group_may_only_read_is_still_taken(
+        shared_trace_folder: tuple[Path, Path, dict[str, str]]) -> None:
+    """A lock file left 0644 by another user in a shared cache (an older opbuilder made them so, or another umask):
+    the group's other users may replace the trace beside it, yet opening the lock for writing refused them."""
+    folder, home, env = shared_trace_folder
+    _write_trace_as_root(folder, env, 0o002).chmod(0o644)
+    second = _as_other_user(WRITE_TRACE, home, **env)
+    assert second.returncode == 0 and "WROTE" in second.stdout, second.stderr[-2000:]
 
 
 def test_a_read_only_lock_where_flock_needs_writing_names_the_file(tmp_path: Path,
