@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 from types import TracebackType
@@ -81,7 +82,11 @@ class FileLock:
         except PermissionError:
             # A lock file another user made without the group's write bit (an older opbuilder, or another tool's
             # umask): it holds nothing, and flock takes an exclusive lock through a read-only descriptor too.
-            fd = os.open(self.path, (flags & ~os.O_RDWR) | os.O_RDONLY)
+            # Not blocking: a FIFO planted there would hang a read-only open; anything but a file is refused.
+            fd = os.open(self.path, (flags & ~os.O_RDWR) | os.O_RDONLY | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise PermissionError(errno.EACCES, "not a regular file", str(self.path)) from None
             self._read_only = True
             return fd
 

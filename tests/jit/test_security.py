@@ -445,6 +445,45 @@ def test_a_read_only_lock_where_flock_needs_writing_names_the_file(tmp_path: Pat
     assert not isinstance(caught.value, locks.LockUnsupported), caught.value
 
 
+def test_a_fifo_planted_as_a_lock_this_user_may_only_read_is_refused(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read-only way into a lock file must not open a FIFO planted in its place: a read-only open of a FIFO waits
+    for a writer, for ever."""
+    import errno
+    import threading
+
+    from opbuilder.errors import CacheError
+    from opbuilder.jit import locks
+
+    path = tmp_path / "k.lock"
+    os.mkfifo(path, 0o644)
+    real_open = os.open
+
+    def open_(file, flags, *args):
+        if flags & os.O_RDWR and not flags & os.O_CREAT:  # as for a user outside the FIFO's owner
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(locks.os, "open", open_)
+    raised: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            locks.FileLock(path).acquire(timeout=1)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        os.close(real_open(path, os.O_WRONLY | os.O_NONBLOCK))  # lets the stuck open return
+        thread.join(10)
+        pytest.fail("opening the planted FIFO hung")
+    assert len(raised) == 1 and isinstance(raised[0], CacheError), raised
+    assert "k.lock" in str(raised[0]), raised[0]
+
+
 def test_opbuilder_clean_makes_its_locks_as_builds_do(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``opbuilder clean`` takes the lock of each key it removes, making it where there is none: in a shared cache
     it was made 0644 (FileLock's own default), which the group's other users could not open to build that key."""
