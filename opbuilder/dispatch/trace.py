@@ -202,7 +202,7 @@ def write(op: str, implementation_keys: dict[str, str], rows: list[dict[str, Any
     trace_key = key(implementation_keys)
     target = path(op, trace_key, kind)
     devices = {r["device_name"] for r in rows}
-    lock = FileLock(paths.trace_lock(op, trace_key), mode=cache.lock_mode())
+    lock = FileLock(paths.trace_lock(op, trace_key))
     try:
         lock.acquire(timeout=env.lock_timeout())
     except Timeout:

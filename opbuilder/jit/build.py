@@ -223,7 +223,7 @@ def ensure_built(spec: BuildSpec, reject_build_id: str | None = None, cannot_bui
     cache.ensure_dir(slot.op_dir)
     cache.check_trusted(slot)
     cache.refuse_symlink(slot.lock_path)
-    lock = FileLock(str(slot.lock_path), mode=cache.lock_mode())
+    lock = FileLock(str(slot.lock_path))
     waited_since = time.time()
     waited = _hold(lock, spec.op, "build lock")
     try:
@@ -301,7 +301,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
     tmp_dir = slot.new_tmp_dir()
     try:
         # the work folder's objects are shared by the op's keys: another key's build may be compiling there
-        work_lock = FileLock(str(paths.work_lock(work)), mode=cache.lock_mode())
+        work_lock = FileLock(str(paths.work_lock(work)))
         _hold(work_lock, spec.op, "work folder's lock")
         with work_lock:
             try:

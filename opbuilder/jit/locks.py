@@ -56,7 +56,6 @@ class FileLock:
         self.path = Path(path)
         self.mode = cache.lock_mode() if mode is None else mode
         self._fd: int | None = None
-        self._read_only = False
 
     def _open(self) -> int:
         cache.ensure_dir(self.path.parent)
@@ -87,7 +86,6 @@ class FileLock:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise PermissionError(errno.EACCES, "not a regular file", str(self.path)) from None
-            self._read_only = True
             return fd
 
     def _try(self, fd: int) -> bool:
@@ -100,7 +98,7 @@ class FileLock:
             except OSError as exc:
                 if exc.errno in _BUSY:
                     return False
-                if exc.errno == errno.EBADF and self._read_only:
+                if exc.errno == errno.EBADF and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
                     # NFS emulates flock with POSIX locks, whose exclusive kind needs a descriptor open for writing.
                     raise cache.cache_error(self.path, PermissionError(errno.EACCES, "cannot be opened for writing")) from exc
                 raise LockUnsupported(unsupported_message(self.path, exc)) from exc

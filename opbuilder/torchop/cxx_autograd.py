@@ -169,11 +169,10 @@ def _built_elsewhere(builder: Any) -> bool:
     """Whether another process builds the glue now: its background build (the starter lock) or a build in a
     process (the key's build lock). False where the locks cannot be asked (a build then says why, as before)."""
     from opbuilder import paths
-    from opbuilder.jit import cache
     from opbuilder.jit.locks import FileLock, Timeout
 
     for path in (paths.build_starter(builder.name, builder.key), paths.lock(builder.name, builder.key)):
-        lock = FileLock(path, mode=cache.lock_mode())
+        lock = FileLock(path)
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -212,10 +211,9 @@ def _start_build(key: str) -> None:
     finish (for the next process) without a warning."""
     global _state, _build, _build_log, _next_poll, _starter_fd
     from opbuilder import paths
-    from opbuilder.jit import cache
     from opbuilder.jit.locks import FileLock, Timeout
 
-    lock = FileLock(paths.build_starter(_builder().name, key), mode=cache.lock_mode())
+    lock = FileLock(paths.build_starter(_builder().name, key))
     try:
         lock.acquire(timeout=0)
         _starter_fd = lock.detach()  # for the child to hold until it exits (a fork meanwhile closes its copy)
