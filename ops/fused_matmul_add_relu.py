@@ -238,8 +238,6 @@ def _check_traced_shapes(lhs: torch.Tensor, rhs: torch.Tensor, bias: torch.Tenso
     torch.compile): a comparison that would have to guard on one is left to the op, which checks the real sizes."""
     try:
         _check_shapes(lhs, rhs, bias)
-    except ValueError:
-        raise
     except RuntimeError as exc:
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # imports sympy: only here
 

@@ -41,6 +41,7 @@ def is_op_name(name: object) -> bool:
     """Whether ``name`` can name an op: letters, digits and '_' (not starting with a digit), at most 100."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None and len(name) <= _NAME_MAX
 
+
 # OPB_DEBUG: host and device debug info (line tables for compute-sanitizer; -G for cuda-gdb on request).
 _DEBUG_CXX = {"host": ["-g"], "device": ["-g"]}
 _DEBUG_NVCC = {"host": ["-g", "-lineinfo"], "device": ["-g", "-G"]}
