@@ -61,7 +61,9 @@ def _transposed(rhs: torch.Tensor) -> bool:
 def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs_shape: torch.Size, rhs_transposed: bool) -> torch.Tensor:
     """rhs's gradient from lhs, rhs's shape and whether rhs is transposed (rhs itself is not kept where lhs
     needs no gradient)."""
-    if len(rhs_shape) == 3 and rhs_shape[0] != 1:
+    if len(rhs_shape) == 3 and (rhs_shape[0] != 1 or (lhs.dim() == 3 and lhs.shape[0] == 1)):
+        # A batch of rhs's own, or lhs's batch of one against rhs's: batched GEMMs (a batch of one flattened
+        # would be a view DTensor refuses where that dim is split across ranks).
         return _sum_to(torch.matmul(lhs.mT, grad_pre), rhs_shape)
     # One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows. The 2-D case is
     # not reshaped (as the C++ path): DTensor refuses to view an empty lhs split on its rows.

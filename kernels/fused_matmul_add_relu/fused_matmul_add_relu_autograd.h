@@ -57,9 +57,12 @@ inline bool transposed(c10::IntArrayRef strides) {
 }
 
 // rhs's gradient from lhs, rhs's sizes and whether rhs is transposed (rhs itself is not kept where lhs needs no
-// gradient).
+// gradient). A batch of rhs's own, or lhs's batch of one against rhs's: batched GEMMs (a batch of one flattened
+// would be a view DTensor refuses where that dim is split across ranks).
 inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, c10::IntArrayRef rhs_sizes, bool rhs_transposed) {
-  if (rhs_sizes.size() == 3 && rhs_sizes[0] != 1) return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs_sizes);
+  if (rhs_sizes.size() == 3 && (rhs_sizes[0] != 1 || (lhs.dim() == 3 && lhs.size(0) == 1))) {
+    return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs_sizes);
+  }
   // One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
   const int64_t k = rhs_sizes[rhs_sizes.size() - 2], n = rhs_sizes[rhs_sizes.size() - 1];
   Tensor lhs2 = lhs.reshape({-1, k}), grad2 = grad_pre.reshape({-1, n});

@@ -260,8 +260,18 @@ def op_checks(checks: Checks, mesh, tag: str) -> None:
             with path:
                 same_as_full(mesh, ops.fused_matmul_add_relu, tensors, [[S(0)], [R], [R]])
 
+    # lhs and rhs with a batch of one, split across ranks (one rank holds it, the others none): rhs's gradient
+    # is a batched GEMM, as torch.matmul's (flattening the batch was a view DTensor refused), on either path.
+    def matmul_batch_of_one_split() -> None:
+        lhs, rhs, bias = torch.randn(1, 5, 4, dtype=DTYPE), torch.randn(1, 4, 3, dtype=DTYPE), torch.randn(3, dtype=DTYPE)
+        for path in (contextlib.nullcontext(), cxx_autograd.disabled()):
+            with path:
+                for placements in ([[S(0)], [S(0)], [R]], [[S(0)], [R], [R]]):
+                    same_as_full(mesh, ops.fused_matmul_add_relu, [lhs, rhs, bias], placements)
+
     if mesh.ndim == 1:
         checks.run(f"{tag} backward ops on Partial gradients", partial_backwards)
+        checks.run(f"{tag} matmul: a batch of one split across ranks", matmul_batch_of_one_split)
         checks.run(f"{tag} matmul op: shapes checked whole", matmul_op_checks_whole_shapes)
         checks.run(f"{tag} matmul: an empty lhs split on its rows", matmul_empty_rows)
         checks.run(f"{tag} relu_mask: its mask is never redistributed", mask_never_redistributed)
