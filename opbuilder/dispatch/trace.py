@@ -77,8 +77,17 @@ def path(op: str, trace_key: str, kind: str = "tune") -> Path:
 
 
 def any_for(op: str) -> bool:
-    """Whether check or tune ever left a trace of ``op`` in this cache (one stat)."""
-    return paths.traces(op).is_dir()
+    """Whether check or tune ever left a trace of ``op`` in this cache: a trace file in its folder. A folder
+    holding only locks (a write that failed after taking its key's lock: a full disk, a kill) or nothing is
+    none, so later processes keep the first call's short road. A folder that cannot be listed counts, for
+    the reader to say why it is skipped."""
+    try:
+        with os.scandir(paths.traces(op)) as entries:
+            return any(e.name.endswith(".json") for e in entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
 
 
 def read(op: str, trace_key: str, kind: str = "tune") -> dict[str, Any] | None:
@@ -238,7 +247,7 @@ def check_writable(op: str) -> None:
     finally:
         if written:  # unlinking a probe never written fails on a read-only cache, hiding the CacheError
             probe.unlink()
-        with contextlib.suppress(OSError):  # an empty folder would count as a trace (any_for) until one is written
+        with contextlib.suppress(OSError):  # nothing left behind: a folder this made and no trace needs
             probe.parent.rmdir()
 
 

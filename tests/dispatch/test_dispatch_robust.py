@@ -243,6 +243,34 @@ def test_a_folder_where_a_trace_goes_is_ignored_and_keeps_no_descriptor_open(fre
     assert len(ours) == 1 and "not a regular file" in ours[0], [str(w.message) for w in caught]
 
 
+def test_a_traces_folder_holding_only_a_lock_is_no_trace(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trace write that failed after taking its key's lock (a full disk, a kill) leaves the lock file, which
+    is never removed: every later process's first call then read the op's traces and worked out every
+    implementation's key, for nothing. Only a trace file is a trace."""
+    from opbuilder import paths
+    from opbuilder.dispatch import implementations
+
+    op, k = "relu", "0" * 20  # not check.keys(op): listing the implementations takes the op off the short road
+    assert not trace.any_for(op)
+    paths.traces(op).mkdir(parents=True)
+    assert not trace.any_for(op)  # an empty folder
+    paths.trace_lock(op, k).touch()
+    assert not trace.any_for(op)
+    # the first call's short road: the compiled op loaded (not built here), the table of implementations never made
+    from opbuilder.torchop import lazy
+
+    monkeypatch.setattr(lazy, "loaded", lambda name: None)
+    monkeypatch.setattr(implementations, "of", lambda name: pytest.fail(f"{name}'s implementations were listed"))
+    monkeypatch.setattr(trace, "records", lambda *a: pytest.fail("the traces were read"))
+    dispatch.reset(op)
+    try:
+        assert dispatch._resolve(op) is False
+    finally:
+        dispatch.reset(op)
+    trace.path(op, k, "check").write_text("{}")
+    assert trace.any_for(op)
+
+
 @pytest.mark.parametrize("name", ["../../escape", "/tmp/escape", "a/b", "..", "", ".hidden"])
 def test_an_op_name_that_is_not_one_folder_is_refused(fresh_cache, name: str) -> None:
     """A user op's name is its traces' folder: "../../x" read and wrote traces outside the cache."""
