@@ -55,18 +55,25 @@ def _read_only(path: Path) -> bool:
         return False
 
 
+def _what(path: Path, cache: str = "the cache") -> str:
+    """``path`` as the messages name it: a folder of the cache, or a file in it (os.path.isdir: no stat error
+    raised while an error is being reported)."""
+    return f"{cache} {'folder' if os.path.isdir(path) else 'file'} {path}"
+
+
 def _unusable(path: Path, exc: OSError) -> str:
     if exc.errno in _FULL:
         return full_message(path, os.strerror(exc.errno))
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
     if exc.errno in (errno.EACCES, errno.EPERM) and env.trust_shared_cache():
         return (
-            f"opbuilder cannot use the shared cache folder {path}: {reason} for user {_user()}. Ask the cache's "
+            f"opbuilder cannot use {_what(path, 'the shared cache')}: {reason} for user "
+            f"{_user()}. Ask the cache's "
             f"owner to let this user's group write there (chgrp -R GROUP {env.cache_root()} && chmod -R g+rwX,g+s "
             f"on its folders, builds under umask 002), or point OPB_CACHE_DIR at a cache of your own."
         )
     return (
-        f"opbuilder cannot write its cache folder {path}: {reason}. "
+        f"opbuilder cannot write {_what(path)}: {reason}. "
         f"Point OPB_CACHE_DIR at a writable folder (now: {env.cache_root()})."
     )
 
@@ -90,9 +97,12 @@ def cache_error(path: Path, exc: OSError) -> CacheError:
     return CacheError(_unusable(path, exc))
 
 
-def full_message(folder: Path, reason: str) -> str:
+def full_message(path: Path, reason: str) -> str:
+    """The message of a full disk met writing ``path`` (a folder of the cache, or a file in it)."""
+    full = f"the cache folder {path} ran out of space" if os.path.isdir(path) else \
+        f"the cache ran out of space writing {path}"
     return (
-        f"opbuilder: the cache folder {folder} ran out of space ({reason}); nothing was "
+        f"opbuilder: {full} ({reason}); nothing was "
         f"published. Free space there or point OPB_CACHE_DIR at another folder (now: {env.cache_root()})."
     )
 

@@ -204,6 +204,26 @@ def test_cache_folder_name_too_long_is_a_cache_error(tmp_path: Path, monkeypatch
     assert "File name too long" in str(info.value)
 
 
+def test_a_cache_error_names_a_file_as_a_file(tmp_path: Path, monkeypatch) -> None:
+    """A full disk, or a file the user may not write, met on a file of the cache: the message named the file
+    "the cache folder <file>", which sends the reader to look for a folder of that name."""
+    import errno
+
+    from opbuilder.jit import cache
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path))
+    folder, file = tmp_path / "relu", tmp_path / "relu" / "k.failed.json"
+    folder.mkdir()
+    for shared in ("0", "1"):
+        monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", shared)
+        for code in (errno.ENOSPC, errno.EACCES, errno.EROFS):
+            on_file = str(cache.cache_error(file, OSError(code, os.strerror(code))))
+            on_folder = str(cache.cache_error(folder, OSError(code, os.strerror(code))))
+            assert f"folder {file}" not in on_file and (f"file {file}:" in on_file or f"writing {file} (" in on_file), on_file
+            assert f"folder {folder}" in on_folder and os.strerror(code) in on_folder, on_folder
+            assert "OPB_CACHE_DIR" in on_file and "OPB_CACHE_DIR" in on_folder
+
+
 LOAD_AFTER_FAILED_INIT = r"""
 import sys
 from pathlib import Path
