@@ -595,6 +595,63 @@ def test_a_refused_entry_is_replaced_once_and_one_that_does_not_load_here_is_kep
     assert any("does not load here" in line for line in said), said
 
 
+class SharedJustBeforeTheLease(MemoryStore):
+    """Another rank's build ends between this rank's look and its lease: the entry is put (``put_at_lease``)
+    just before the first lease this rank takes, as that rank uploads and then releases its lease."""
+
+    def __init__(self, put_at_lease: tuple[tuple[str, str], remote.Entry]) -> None:
+        super().__init__()
+        self.put_at_lease: tuple | None = put_at_lease
+
+    def acquire_lease(self, op: str, key: str, owner: str, seconds: float) -> bool:
+        if self.put_at_lease is not None:
+            where, entry = self.put_at_lease
+            self.entries[where], self.put_at_lease = entry, None
+        return super().acquire_lease(op, key, owner, seconds)
+
+
+@pytest.mark.parametrize("before", ["none", "refused"])
+def test_an_entry_shared_between_the_look_and_the_lease_is_downloaded_not_built(
+        before: str, tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One build per cluster: a rank that found no entry (or a bad one) and then took the lease built the op
+    again where the builder had shared it and freed the lease in between. It looks again under the lease; a
+    bad entry still there is replaced (one build), as before."""
+    from helpers import copy_cache
+
+    from opbuilder.jit.remote.tier import Tier
+
+    secret = secrets.token_bytes(32)
+    key = user_op_key(built_user_op[0])
+    builder = copy_cache(built_user_op[1], tmp_path / "builder")
+    monkeypatch.setenv("OPB_CACHE_DIR", str(builder))
+    slot = cache.Slot("add_scale", key)
+    source = MemoryStore()
+    assert Tier(source, secret, 1 << 30, 5.0).push(slot, print).startswith("shared")
+    good = source.entries[("add_scale", key)]
+    bad = remote.Entry(good.manifest, good.library, good.log, None)  # half-written
+
+    for replaced in (True, False):
+        store = SharedJustBeforeTheLease((("add_scale", key), good if replaced else bad))
+        if before == "refused":
+            store.entries[("add_scale", key)] = bad
+        elif not replaced:
+            continue  # no entry, none shared meanwhile: the plain build under the lease, tested elsewhere
+        tier = Tier(store, secret, 1 << 30, 5.0)
+        # a node with an empty cache where the entry comes; else the builder's (its build is what gets shared)
+        monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / f"node-{before}" if replaced else builder))
+        builds: list[int] = []
+        said: list[str] = []
+        other = cache.Slot("add_scale", key)
+        found = tier.obtain(other, lambda: (builds.append(1), slot.path)[1], said.append)
+        assert not store.leases, "the lease is released"
+        if replaced:
+            assert builds == [] and found == other.path, said
+            assert any(line.startswith("fetched add_scale") for line in said), said
+        else:  # the bad entry is still there: built once, and shared in its place
+            assert builds == [1] and store.entries[("add_scale", key)].signature == good.signature, said
+        assert sum("refusing add_scale's entry" in line for line in said) == (before == "refused"), said
+
+
 def test_an_entry_signed_with_another_secret_is_built_here_and_kept(
         tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A signature that does not match cannot tell a damaged entry from one signed with another secret (a node

@@ -16,7 +16,9 @@ talks to the store) when the local cache has no good build:
 2. With no entry, the rank that takes the key's build lease builds (renewing the lease while it
    compiles), publishes locally, uploads, and releases the lease. The others wait for the entry and
    download it; a failed build is handed to them with the compiler's error; a lease that expires
-   without an entry (its builder died) is taken over.
+   without an entry (its builder died) is taken over. A rank that takes the lease looks again first:
+   an entry shared between its first look and its lease (or a refused one replaced meanwhile) is
+   downloaded, not built again.
 
 The store failing (down, slow, full, evicted) is never an error: one warning line, a local build,
 and the store is skipped for a while.
@@ -70,6 +72,15 @@ _TIERS: dict[tuple, "Tier | str"] = {}
 def _count(name: str) -> None:
     with _LOCK:
         STATS[name] += 1
+
+
+def _fingerprint(entry: Entry) -> tuple:
+    """What tells one stored entry from another: a digest of its fields, each marked present or not."""
+    digest = hashlib.sha256()
+    for field in (entry.manifest, entry.library, entry.log, entry.signature):
+        raw = field.encode("utf-8", "replace") if isinstance(field, str) else field
+        digest.update(b"-" if raw is None else b"+%d:" % len(raw) + raw)
+    return ("entry", digest.hexdigest())
 
 
 class Refused(Exception):
@@ -246,6 +257,9 @@ class Tier:
         self._lease = lease_seconds
         self._down_until = 0.0
         self._warned: set[str] = set()
+        # (op, key) -> what the entry this process last refused was (_fingerprint): a rank that refused an entry
+        # and then takes the lease builds only if the entry is still that one (obtain).
+        self._refused: dict[tuple[str, str], tuple] = {}
 
     # ---- faults ------------------------------------------------------------------------------------
 
@@ -294,6 +308,7 @@ class Tier:
         owner = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
         try:
             found = self._fetch(slot, say, reject_build_id)
+            refused = self._refused.pop((op, key), None)
             self._answered(say)
             if isinstance(found, Path):
                 return found
@@ -315,10 +330,42 @@ class Tier:
                     return found
                 if found in ("refused", "rejected", "timeout"):
                     return self._build_here(build)
+            # The lease is this rank's. Another rank may have shared the entry between this rank's look and its
+            # lease (uploaded, then released the lease, in that window): fetched, not built again.
+            try:
+                found = self._since_look(slot, say, reject_build_id, refused if bad_entry else None)
+            except BaseException:
+                self._release(op, key, owner, say)
+                raise
+            finally:
+                self._refused.pop((op, key), None)
+            if found is not None and found != "refused":  # "refused": a new bad entry, replaced under the lease
+                self._release(op, key, owner, say)
+                return found if isinstance(found, Path) else self._build_here(build)
         except RemoteUnavailable as exc:
             self._fault(exc, "building here", say)
             return self._build_here(build)
         return self._build_leased(slot, build, owner, say)
+
+    def _since_look(self, slot: cache.Slot, say: Say, reject_build_id: str | None,
+                    refused: tuple | None) -> Path | str | None:
+        """What ``_fetch`` makes of the slot's entry now, where one is there that was not at the first look:
+        None when there is none, or when it is still the one this rank refused (``refused``: its fingerprint)."""
+        op, key = slot.op, slot.key
+        size = self.store.size(op, key)
+        if size is None or refused == ("size", size):
+            return None
+        if refused is not None:
+            entry = self.store.get(op, key)
+            if entry is None or _fingerprint(entry) == refused:
+                return None
+        return self._fetch(slot, say, reject_build_id)
+
+    def _release(self, op: str, key: str, owner: str, say: Say) -> None:
+        try:
+            self.store.release_lease(op, key, owner)
+        except RemoteUnavailable as fault:
+            self._fault(fault, "its lease will expire by itself", say)
 
     @staticmethod
     def _build_here(build: Callable[[], Path]) -> Path:
@@ -383,10 +430,7 @@ class Tier:
             return path
         finally:
             renewer.stop()
-            try:
-                self.store.release_lease(op, key, owner)
-            except RemoteUnavailable as fault:
-                self._fault(fault, "its lease will expire by itself", say)
+            self._release(op, key, owner, say)
 
     # ---- download ----------------------------------------------------------------------------------
 
@@ -402,6 +446,7 @@ class Tier:
         if size > self._max_bytes + MAX_BESIDE:  # asked before the download: a huge log or manifest stays there
             self._refuse(op, key, f"it has {size} bytes, over OPB_REMOTE_CACHE_MAX_BYTES ({self._max_bytes}) for "
                                   f"its library and {MAX_BESIDE} for the rest", say)
+            self._refused[(op, key)] = ("size", size)
             return "refused"
         entry = self.store.get(op, key)
         if entry is None:  # removed or evicted since
@@ -410,7 +455,10 @@ class Tier:
         if manifest is None or why is not None:
             other_secret = why == _SIGNATURE_MISMATCH
             self._refuse(op, key, why or "unusable", say, replace=not other_secret)
-            return "rejected" if other_secret else "refused"
+            if other_secret:
+                return "rejected"
+            self._refused[(op, key)] = _fingerprint(entry)
+            return "refused"
         if reject_build_id is not None and str(manifest.get("build_id")) == reject_build_id:
             say(f"the remote build of {op} ({reject_build_id}) does not load here; building it here")
             return "rejected"
