@@ -652,6 +652,43 @@ def test_an_entry_shared_between_the_look_and_the_lease_is_downloaded_not_built(
         assert sum("refusing add_scale's entry" in line for line in said) == (before == "refused"), said
 
 
+def test_a_lease_whose_renewer_cannot_start_is_built_under_and_released(
+        tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread to renew the lease (``can't start new thread``): the error left the lease held until it
+    expired, every other rank waiting on it, and this rank's build never ran. Now it builds, says the lease is
+    not renewed, shares the build and frees the lease."""
+    from helpers import copy_cache
+
+    import importlib
+
+    from opbuilder.jit.remote.tier import Tier
+
+    tier_module = importlib.import_module("opbuilder.jit.remote.tier")  # the package's ``tier`` is a function
+
+    class NoThread:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    store = MemoryStore()
+    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
+    key = user_op_key(built_user_op[0])
+    monkeypatch.setenv("OPB_CACHE_DIR", str(copy_cache(built_user_op[1], tmp_path / "builder")))
+    slot = cache.Slot("add_scale", key)
+    builds: list[int] = []
+    said: list[str] = []
+    import threading
+    import types
+
+    # the tier module's threading only: the rest of the process keeps its threads
+    monkeypatch.setattr(tier_module, "threading", types.SimpleNamespace(Thread=NoThread, Event=threading.Event))
+    assert tier.obtain(slot, lambda: (builds.append(1), slot.path)[1], said.append) == slot.path
+    assert builds == [1] and not store.leases and ("add_scale", key) in store.entries, said
+    assert any("is not renewed (can't start new thread)" in line for line in said), said
+
+
 def test_an_entry_signed_with_another_secret_is_built_here_and_kept(
         tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A signature that does not match cannot tell a damaged entry from one signed with another secret (a node

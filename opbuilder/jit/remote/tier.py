@@ -408,8 +408,13 @@ class Tier:
 
     def _build_leased(self, slot: cache.Slot, build: Callable[[], Path], owner: str, say: Say) -> Path:
         op, key = slot.op, slot.key
-        renewer = _Renewer(self.store, op, key, owner, self._lease)
+        renewer = None
         try:
+            try:
+                renewer = _Renewer(self.store, op, key, owner, self._lease)
+            except RuntimeError as exc:  # no thread to be had: built all the same, the lease left to expire
+                say(f"the build lease of {op} is not renewed ({exc}): a build longer than "
+                    f"OPB_REMOTE_LEASE_SECONDS ({self._lease:.0f} s) may be made by another rank too")
             try:
                 path = self._build_here(build)
             except BuildError as exc:
@@ -429,7 +434,8 @@ class Tier:
             self._upload(slot, path, say)  # before the lease goes: a waiter then finds the entry, not a free lease
             return path
         finally:
-            renewer.stop()
+            if renewer is not None:
+                renewer.stop()
             self._release(op, key, owner, say)
 
     # ---- download ----------------------------------------------------------------------------------
