@@ -46,7 +46,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 from opbuilder import prepare
-from opbuilder.dispatch import check, definitions, router as dispatch, implementations
+from opbuilder.dispatch import check, definitions, routes as dispatch, implementations
 from opbuilder.jit.registry import get_builder, names
 ops = [n for n in names() if get_builder(n).is_compatible()]
 t1 = time.perf_counter()
@@ -73,7 +73,7 @@ print(json.dumps({"ops": ops, "status": status, "import_s": t1 - t0, "prepare_s"
 FIRST_CALLS = """
 import json, math, sys, time
 import torch
-from opbuilder.dispatch import definitions, router as dispatch, implementations
+from opbuilder.dispatch import definitions, routes as dispatch, implementations
 from opbuilder.jit import build, remote
 from opbuilder.jit.registry import get_builder, names
 ops = [n for n in names() if get_builder(n).is_compatible()]
