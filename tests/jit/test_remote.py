@@ -510,6 +510,19 @@ class MemoryStore(remote.RemoteCache):
         return len(self.entries)
 
 
+def memory_tier(tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch):
+    """(a MemoryStore, a Tier on it, the user op's key, its slot), OPB_CACHE_DIR a copy of the built cache."""
+    from helpers import copy_cache
+
+    from opbuilder.jit.remote.tier import Tier
+
+    store = MemoryStore()
+    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
+    key = user_op_key(built_user_op[0])
+    monkeypatch.setenv("OPB_CACHE_DIR", str(copy_cache(built_user_op[1], tmp_path / "builder")))
+    return store, tier, key, cache.Slot("add_scale", key)
+
+
 def test_the_tier_on_another_store_outage_said_once_then_recovery(
         tmp_path: Path, built_user_op: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     from helpers import copy_cache
@@ -555,15 +568,7 @@ def test_a_refused_entry_is_replaced_once_and_one_that_does_not_load_here_is_kep
     """A bad entry is rebuilt under the lease and shared in its place, not when another rank holds the lease
     (that rank replaces it; waiting would download the bad entry again); a good entry that does not load on
     this node (``reject_build_id``) is built here and left for the nodes it loads on."""
-    from helpers import copy_cache
-
-    from opbuilder.jit.remote.tier import Tier
-
-    store = MemoryStore()
-    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
-    key = user_op_key(built_user_op[0])
-    monkeypatch.setenv("OPB_CACHE_DIR", str(copy_cache(built_user_op[1], tmp_path / "builder")))
-    slot = cache.Slot("add_scale", key)
+    store, tier, key, slot = memory_tier(tmp_path, built_user_op, monkeypatch)
     builds: list[int] = []
 
     def build() -> Path:  # the node's own build: here, the one already in its cache
@@ -657,11 +662,7 @@ def test_a_lease_whose_renewer_cannot_start_is_built_under_and_released(
     """No thread to renew the lease (``can't start new thread``): the error left the lease held until it
     expired, every other rank waiting on it, and this rank's build never ran. Now it builds, says the lease is
     not renewed, shares the build and frees the lease."""
-    from helpers import copy_cache
-
     import importlib
-
-    from opbuilder.jit.remote.tier import Tier
 
     tier_module = importlib.import_module("opbuilder.jit.remote.tier")  # the package's ``tier`` is a function
 
@@ -672,11 +673,7 @@ def test_a_lease_whose_renewer_cannot_start_is_built_under_and_released(
         def start(self) -> None:
             raise RuntimeError("can't start new thread")
 
-    store = MemoryStore()
-    tier = Tier(store, secrets.token_bytes(32), 1 << 30, 5.0)
-    key = user_op_key(built_user_op[0])
-    monkeypatch.setenv("OPB_CACHE_DIR", str(copy_cache(built_user_op[1], tmp_path / "builder")))
-    slot = cache.Slot("add_scale", key)
+    store, tier, key, slot = memory_tier(tmp_path, built_user_op, monkeypatch)
     builds: list[int] = []
     said: list[str] = []
     import threading
