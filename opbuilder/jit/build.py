@@ -307,7 +307,7 @@ def _build(spec: BuildSpec, slot: cache.Slot) -> Built:
             try:
                 result = compile.build(spec, say)
             except OSError as exc:  # the snapshot or the work folder could not be written
-                raise cache.cache_error(work, exc) from exc
+                raise cache.cache_error(work, exc, folder=True) from exc
             except compile.CompileFailed as failed:
                 log_text = failed.args[0]
                 full = _DISK_FULL.search(log_text)

@@ -40,11 +40,11 @@ def ensure_dir(path: Path) -> Path:
             check_chain(probe)  # nothing is written into a cache that would be refused at load
         for folder in reversed(missing):  # each new folder private (the root included) unless shared
             folder.mkdir(mode=0o777 if env.trust_shared_cache() else 0o700, exist_ok=True)
-    except OSError as exc:
-        raise CacheError(_unusable(path, exc)) from exc
+    except OSError as exc:  # a folder, though one that could not be made is not there to be seen as one
+        raise CacheError(_unusable(path, exc, folder=True)) from exc
     if not os.access(path, os.W_OK | os.X_OK):
         code = errno.EROFS if _read_only(path) else errno.EACCES
-        raise CacheError(_unusable(path, OSError(code, os.strerror(code))))
+        raise CacheError(_unusable(path, OSError(code, os.strerror(code)), folder=True))
     return path
 
 
@@ -55,25 +55,30 @@ def _read_only(path: Path) -> bool:
         return False
 
 
-def _what(path: Path, cache: str = "the cache") -> str:
-    """``path`` as the messages name it: a folder of the cache, or a file in it (os.path.isdir: no stat error
-    raised while an error is being reported)."""
-    return f"{cache} {'folder' if os.path.isdir(path) else 'file'} {path}"
+def _is_folder(path: Path, folder: bool | None) -> bool:
+    """``folder`` where the caller knows (a folder that could not be made is not there to be seen), else whether
+    ``path`` is one (os.path.isdir: no stat error raised while an error is being reported)."""
+    return os.path.isdir(path) if folder is None else folder
 
 
-def _unusable(path: Path, exc: OSError) -> str:
+def _what(path: Path, cache: str = "the cache", folder: bool | None = None) -> str:
+    """``path`` as the messages name it: a folder of the cache, or a file in it."""
+    return f"{cache} {'folder' if _is_folder(path, folder) else 'file'} {path}"
+
+
+def _unusable(path: Path, exc: OSError, folder: bool | None = None) -> str:
     if exc.errno in _FULL:
-        return full_message(path, os.strerror(exc.errno))
+        return full_message(path, os.strerror(exc.errno), folder)
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
     if exc.errno in (errno.EACCES, errno.EPERM) and env.trust_shared_cache():
         return (
-            f"opbuilder cannot use {_what(path, 'the shared cache')}: {reason} for user "
+            f"opbuilder cannot use {_what(path, 'the shared cache', folder)}: {reason} for user "
             f"{_user()}. Ask the cache's "
             f"owner to let this user's group write there (chgrp -R GROUP {env.cache_root()} && chmod -R g+rwX,g+s "
             f"on its folders, builds under umask 002), or point OPB_CACHE_DIR at a cache of your own."
         )
     return (
-        f"opbuilder cannot write {_what(path)}: {reason}. "
+        f"opbuilder cannot write {_what(path, folder=folder)}: {reason}. "
         f"Point OPB_CACHE_DIR at a writable folder (now: {env.cache_root()})."
     )
 
@@ -91,15 +96,16 @@ def _user() -> str:
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def cache_error(path: Path, exc: OSError) -> CacheError:
+def cache_error(path: Path, exc: OSError, folder: bool | None = None) -> CacheError:
     """The CacheError for an OSError met writing or reading ``path`` in the cache: a full disk, a
-    read-only one, a folder this user may not use (in a shared cache: what its owner must change)."""
-    return CacheError(_unusable(path, exc))
+    read-only one, a folder this user may not use (in a shared cache: what its owner must change).
+    ``folder``: whether ``path`` is a folder, where the caller knows (else whether one is there)."""
+    return CacheError(_unusable(path, exc, folder))
 
 
-def full_message(path: Path, reason: str) -> str:
+def full_message(path: Path, reason: str, folder: bool | None = None) -> str:
     """The message of a full disk met writing ``path`` (a folder of the cache, or a file in it)."""
-    full = f"the cache folder {path} ran out of space" if os.path.isdir(path) else \
+    full = f"the cache folder {path} ran out of space" if _is_folder(path, folder) else \
         f"the cache ran out of space writing {path}"
     return (
         f"opbuilder: {full} ({reason}); nothing was "
@@ -254,7 +260,7 @@ def write_text_atomic(path: Path, text: str, private: bool = False) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     except OSError as exc:
-        raise cache_error(path.parent, exc) from exc
+        raise cache_error(path.parent, exc, folder=True) from exc
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
@@ -383,7 +389,7 @@ def check_build(build_dir: Path) -> tuple[Path | None, dict | None, str | None]:
             if not build_dir.exists():
                 return None, None, "not built"
         except OSError as exc:  # no permission to look, or a name too long for the filesystem (ENAMETOOLONG)
-            raise cache_error(build_dir, exc) from exc
+            raise cache_error(build_dir, exc, folder=True) from exc
         return None, None, f"manifest missing or unreadable in {build_dir}"
     problem = manifest_problem(manifest)
     if problem is not None:

@@ -202,6 +202,7 @@ def test_cache_folder_name_too_long_is_a_cache_error(tmp_path: Path, monkeypatch
     with pytest.raises(CacheError, match="OPB_CACHE_DIR") as info:
         loader.load_cached("add_scale", "0" * 20)
     assert "File name too long" in str(info.value)
+    assert "cache folder" in str(info.value) and "cache file" not in str(info.value), str(info.value)  # not there: named a folder all the same
 
 
 def test_a_cache_error_names_a_file_as_a_file(tmp_path: Path, monkeypatch) -> None:
@@ -222,6 +223,33 @@ def test_a_cache_error_names_a_file_as_a_file(tmp_path: Path, monkeypatch) -> No
             assert f"folder {file}" not in on_file and (f"file {file}:" in on_file or f"writing {file} (" in on_file), on_file
             assert f"folder {folder}" in on_folder and os.strerror(code) in on_folder, on_folder
             assert "OPB_CACHE_DIR" in on_file and "OPB_CACHE_DIR" in on_folder
+
+
+def test_a_folder_that_cannot_be_made_is_named_a_folder(tmp_path: Path, monkeypatch) -> None:
+    """A cache folder that cannot be made (a read-only or full disk, a parent not this user's) does not exist
+    when the error is reported: it was named "the cache file <folder>", as a file would be."""
+    import errno
+
+    import pytest
+
+    from opbuilder.errors import CacheError
+    from opbuilder.jit import cache
+
+    monkeypatch.setenv("OPB_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "relu"
+    for shared in ("0", "1"):
+        monkeypatch.setenv("OPB_TRUST_SHARED_CACHE", shared)
+        for code in (errno.EROFS, errno.EACCES, errno.ENOSPC):
+            def refuse(self, *args, code=code, **kwargs):
+                raise OSError(code, os.strerror(code))
+
+            with monkeypatch.context() as m:
+                m.setattr(Path, "mkdir", refuse)
+                with pytest.raises(CacheError) as info:
+                    cache.ensure_dir(folder)
+            message = str(info.value)
+            assert f"folder {folder}" in message and os.strerror(code) in message, message
+            assert "file" not in message.replace("file system", ""), message
 
 
 LOAD_AFTER_FAILED_INIT = r"""
