@@ -66,9 +66,9 @@ def _grad_rhs(grad_pre: torch.Tensor, lhs: torch.Tensor, rhs_shape: torch.Size, 
         # would be a view DTensor refuses where that dim is split across ranks).
         return _sum_to(torch.matmul(lhs.mT, grad_pre), rhs_shape)
     # One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows. The 2-D case is
-    # not reshaped (as the C++ path): DTensor refuses to view an empty lhs split on its rows.
-    k, n = rhs_shape[-2], rhs_shape[-1]
-    lhs2, grad2 = (lhs, grad_pre) if grad_pre.dim() == 2 else (lhs.reshape(-1, k), grad_pre.reshape(-1, n))
+    # not reshaped (as the C++ path): DTensor refuses to view an empty lhs split on its rows. flatten, not
+    # reshape(-1, K): that refuses a tensor of 0 elements where K (or N) is 0.
+    lhs2, grad2 = (lhs, grad_pre) if grad_pre.dim() == 2 else (lhs.flatten(0, -2), grad_pre.flatten(0, -2))
     if rhs_transposed:
         grad = (grad2.mT @ lhs2).mT
     else:

@@ -63,9 +63,9 @@ inline Tensor grad_rhs(const Tensor& grad_pre, const Tensor& lhs, c10::IntArrayR
   if (rhs_sizes.size() == 3 && (rhs_sizes[0] != 1 || (lhs.dim() == 3 && lhs.size(0) == 1))) {
     return reduce_to(at::matmul(lhs.mT(), grad_pre), rhs_sizes);
   }
-  // One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows.
-  const int64_t k = rhs_sizes[rhs_sizes.size() - 2], n = rhs_sizes[rhs_sizes.size() - 1];
-  Tensor lhs2 = lhs.reshape({-1, k}), grad2 = grad_pre.reshape({-1, n});
+  // One rhs shared by every batch entry: the sum over the batch is one GEMM over all rows (flatten, not
+  // reshape({-1, k}): that refuses a tensor of 0 elements where K or N is 0; a 2-D lhs is kept as it is).
+  Tensor lhs2 = lhs.flatten(0, -2), grad2 = grad_pre.flatten(0, -2);
   Tensor grad = rhs_transposed ? at::matmul(grad2.mT(), lhs2).mT() : at::matmul(lhs2.mT(), grad2);
   return grad.reshape(rhs_sizes);
 }

@@ -137,6 +137,37 @@ def test_empty(device, dtype, shapes):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("python_path", [False, True], ids=["cxx", "python"])
+@pytest.mark.parametrize(
+    "shapes",
+    [((5, 4), (1, 4, 0), (0,)), ((2, 5, 4), (4, 0), (0,)), ((2, 5, 4), (1, 4, 0), None), ((1, 5, 0), (0, 3), (3,)),
+     ((5, 0), (1, 0, 3), (3,)), ((2, 0, 4), (4, 0), None), ((1, 0, 4), (1, 4, 0), None), ((0, 5, 4), (4, 3), (3,))],
+    ids=lambda s: "-".join("x".join(map(str, p)) if p is not None else "none" for p in s),
+)
+def test_empty_backward(shapes, python_path, cxx_autograd_glue):
+    """Gradients of empty inputs, on either gradient path, as torch's: rhs's gradient over an rhs shared by the
+    batch flattened lhs and the upstream gradient with reshape(-1, K) and reshape(-1, N), which refuses a tensor
+    of 0 elements where K or N is 0 ("the unspecified dimension size -1 can be any value")."""
+    import contextlib
+
+    from opbuilder.torchop import cxx_autograd
+
+    lhs_shape, rhs_shape, bias_shape = shapes
+    torch.manual_seed(6)
+    args = [make(s, "cpu", torch.float64, requires_grad=True) for s in shapes if s is not None]
+    with cxx_autograd.disabled() if python_path else contextlib.nullcontext():
+        out = fused_matmul_add_relu(*args)
+        assert (out.grad_fn.name() == "opbuilder::FusedMatmulAddReluBackward") is not python_path, out.grad_fn
+        upstream = torch.randn_like(out)
+        got = torch.autograd.grad(out, args, upstream)
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    ref = torch.relu(ref_args[0] @ ref_args[1] + (ref_args[2] if len(ref_args) == 3 else 0))
+    want = torch.autograd.grad(ref, ref_args, upstream)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _noncontiguous_cases(device, dtype):
     m, n, k, b = 9, 13, 37, 3
     r = lambda *s: make(s, device, dtype)  # noqa: E731
