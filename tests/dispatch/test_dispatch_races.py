@@ -141,7 +141,8 @@ def test_a_cache_without_file_locks_is_refused_before_a_check_or_tune_runs(
         fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``trace.write`` locks the trace's key (Lustre without flock, some NFS: LockUnsupported): the check made
     before a check or tune runs every implementation says so then, not when its rows are stored, and leaves
-    nothing (a folder there would count as a trace)."""
+    nothing (not even the op's traces folder: since 6da0e77 an empty one no longer counts as a trace, so
+    ``any_for`` alone would not see it)."""
     import errno
     import os
 
@@ -155,3 +156,6 @@ def test_a_cache_without_file_locks_is_refused_before_a_check_or_tune_runs(
     with pytest.raises(locks.LockUnsupported, match="ENOLCK"):
         trace.check_writable(op)
     assert not trace.any_for(op)
+    from opbuilder import paths
+
+    assert not paths.traces(op).exists()
