@@ -333,7 +333,7 @@ class Tier:
             # The lease is this rank's. Another rank may have shared the entry between this rank's look and its
             # lease (uploaded, then released the lease, in that window): fetched, not built again.
             try:
-                found = self._since_look(slot, say, reject_build_id, refused if bad_entry else None)
+                found = self._since_look(slot, say, reject_build_id, refused)  # None unless this rank refused one
             except BaseException:
                 self._release(op, key, owner, say)
                 raise
